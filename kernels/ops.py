@@ -1,0 +1,78 @@
+"""The one dispatch point between the model and the kernels.
+
+`gated_linear_attention` picks Triton on CUDA tensors and PyTorch everywhere else;
+`LINEARIZE_KERNELS=triton|torch` forces either. The normalizer is the same kernel run on `v`
+with a column of ones appended: that column of the state is `z`, so the output and its
+normalizer come from one pass.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .gla_torch import gla_chunked, gla_parallel, gla_recurrent
+
+try:
+    from .gla_triton import chunk_gla_triton, fused_recurrent_gla_triton
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+MODES = ("chunk", "recurrent", "parallel")
+
+
+def kernel_backend(device: torch.device) -> str:
+    """`triton` or `torch`, from LINEARIZE_KERNELS or else the device."""
+    forced = os.environ.get("LINEARIZE_KERNELS", "").strip().lower()
+    if forced not in ("", "triton", "torch"):
+        raise ValueError(f"LINEARIZE_KERNELS={forced!r} is not valid: set it to 'triton' or 'torch', or unset it")
+    if forced == "triton" and not HAS_TRITON:
+        raise RuntimeError("LINEARIZE_KERNELS=triton but triton is not importable: pip install triton, or unset it")
+    if forced:
+        return forced
+    return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
+
+
+def gated_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    *,
+    scale: float = 1.0,
+    normalize: bool = False,
+    eps: float = 1e-6,
+    initial_state: torch.Tensor | None = None,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run GLA in the requested form; returns (output [B, HQ, T, V], final state [B, H, K, V(+1)]).
+
+    With `normalize`, the state carries one extra value column (the normalizer `z`) and the
+    output is divided by `q^T z`; pass that same state back as `initial_state` to continue.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not one of {MODES}")
+    if normalize:
+        v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+    backend = kernel_backend(q.device)
+    if g is not None and g.shape[-1] == 1 and g.shape[-1] != k.shape[-1]:
+        # Per-head decays (Performer's stabilizer, the key gate) may be arbitrarily strong: the exact torch path.
+        backend = "torch"
+    if mode == "parallel":
+        o, state = gla_parallel(q, k, v, g, scale, initial_state)
+    elif backend == "triton":
+        if mode == "recurrent":
+            o, state = fused_recurrent_gla_triton(q, k, v, g, scale, initial_state)
+        else:
+            o, state = chunk_gla_triton(q, k, v, g, scale, initial_state, chunk_size)
+    elif mode == "recurrent":
+        o, state = gla_recurrent(q, k, v, g, scale, initial_state)
+    else:
+        o, state = gla_chunked(q, k, v, g, scale, initial_state, chunk_size)
+    if normalize:
+        o = o[..., :-1] / (o[..., -1:] + eps)
+    return o, state
