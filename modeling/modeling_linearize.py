@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
@@ -27,7 +28,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..kernels import feature_maps
+from ..kernels.feature_maps import elu_plus_one, hedgehog, orthogonal_random_features, performer, performer_logits
 from ..kernels.gla_torch import MIN_LOG_DECAY
 from ..kernels.ops import gated_linear_attention
 from .configuration_linearize import LinearizeConfig
@@ -181,14 +182,13 @@ class HedgehogFeatureMap(nn.Module):
         self.bias = nn.Parameter(torch.empty(heads, feature_dim))
         self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        with torch.no_grad():
-            eye = torch.eye(self.weight.shape[1], self.weight.shape[2])
-            self.weight.copy_(eye.expand_as(self.weight))
-            self.bias.zero_()
+        init.copy_(self.weight, torch.eye(self.weight.shape[1], self.weight.shape[2]).expand_as(self.weight))
+        init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return feature_maps.hedgehog(x, self.weight, self.bias)
+        return hedgehog(x, self.weight, self.bias)
 
 
 class LowRankGate(nn.Module):
@@ -207,13 +207,13 @@ class LowRankGate(nn.Module):
         self.up = nn.Linear(rank, heads * channels, bias=True)
         self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        with torch.no_grad():
-            nn.init.normal_(self.down.weight, std=self.down.in_features**-0.5)
-            self.up.weight.zero_()
-            decay = torch.linspace(0.995, 0.9998, self.channels).repeat(self.heads)
-            # logsigmoid(b) / 16 = log(decay)  =>  b = logit(decay ** 16)
-            self.up.bias.copy_(torch.logit(decay.pow(self.normalizer)))
+        init.normal_(self.down.weight, std=self.down.in_features**-0.5)
+        init.zeros_(self.up.weight)
+        decay = torch.linspace(0.995, 0.9998, self.channels, dtype=torch.float64).repeat(self.heads)
+        # logsigmoid(b) / 16 = log(decay)  =>  b = logit(decay ** 16)
+        init.copy_(self.up.bias, torch.logit(decay.pow(self.normalizer)).to(self.up.bias.dtype))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.up(self.down(hidden_states))
@@ -311,7 +311,7 @@ class LinearAttention(AttentionProjections):
         elif self.map_name == "performer":
             channels = settings["feature_dim"] or 4 * D
             generator = torch.Generator().manual_seed(settings["seed"] * 1000 + layer_idx)
-            projection = feature_maps.orthogonal_random_features(self.num_kv_heads, channels, D, generator)
+            projection = orthogonal_random_features(self.num_kv_heads, channels, D, generator)
             self.register_buffer("performer_projection", projection, persistent=True)
         else:
             channels = D
@@ -326,10 +326,10 @@ class LinearAttention(AttentionProjections):
         if self.map_name == "hedgehog":
             return self.feature_map_q(q)
         if self.map_name == "elu":
-            return feature_maps.elu_plus_one(q)
+            return elu_plus_one(q)
         if self.map_name == "performer":
             projection = self.performer_projection.repeat_interleave(self.num_key_value_groups, dim=0)
-            return feature_maps.performer_logits(q, projection)
+            return performer_logits(q, projection)
         return q
 
     def _key_features(self, k: torch.Tensor) -> torch.Tensor:
@@ -337,9 +337,9 @@ class LinearAttention(AttentionProjections):
         if self.map_name == "hedgehog":
             return self.feature_map_k(k)
         if self.map_name == "elu":
-            return feature_maps.elu_plus_one(k)
+            return elu_plus_one(k)
         if self.map_name == "performer":
-            return feature_maps.performer_logits(k, self.performer_projection)
+            return performer_logits(k, self.performer_projection)
         return k
 
     def _decay(self, hidden_states: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -388,7 +388,7 @@ class LinearAttention(AttentionProjections):
         q_stab = key_stab = None
         if self.map_name == "performer":
             q_stab = fq.amax(-1, keepdim=True).detach()
-            fq = feature_maps.performer(fq, q_stab)
+            fq = performer(fq, q_stab)
             fk, g, stabilizer, key_stab = self._performer_keys(fk, stabilizer, valid)
         else:
             fk = fk * keep
@@ -431,7 +431,7 @@ class LinearAttention(AttentionProjections):
         previous, current = running[:, :, :-1], running[:, :, 1:]
         g = torch.where(torch.isfinite(previous), previous - current, torch.zeros_like(current))
         per_step = torch.where(torch.isfinite(current), current, torch.zeros_like(current))
-        features = feature_maps.performer(key_logits, per_step) * keep
+        features = performer(key_logits, per_step) * keep
         return features, g, running[:, :, -1:], per_step
 
     def _load_state(self, cache: Cache | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -489,20 +489,12 @@ class LinearizePreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
+        """Base init for the teacher's module kinds; the linear layers' own init for the new parameters."""
+        super()._init_weights(module)
         if isinstance(module, (HedgehogFeatureMap, LowRankGate)):
             module.reset_parameters()
-        elif isinstance(module, LinearAttention):
-            if hasattr(module, "window_factor"):
-                nn.init.zeros_(module.window_factor)
-        elif isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, LinearizeRMSNorm):
-            nn.init.ones_(module.weight)
+        elif isinstance(module, LinearAttention) and hasattr(module, "window_factor"):
+            init.zeros_(module.window_factor)
 
 
 class LinearizeModel(LinearizePreTrainedModel):

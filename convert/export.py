@@ -1,0 +1,112 @@
+"""Export: a self-contained Hugging Face folder that loads anywhere with `trust_remote_code=True`.
+
+The folder holds config.json (with `auto_map`), safetensors weights, the tokenizer, a model card
+and the remote code. Transformers' loader follows only flat, same-folder relative imports, so the
+modeling and kernel files are written side by side and `from ..kernels.x import` becomes
+`from .x import`. The folder is assembled in a staging directory and moved into place in one step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from ..modeling.modeling_linearize import LinearizeForCausalLM
+
+logger = logging.getLogger(__name__)
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+REMOTE_CODE = [
+    ("modeling", "configuration_linearize.py"),
+    ("modeling", "modeling_linearize.py"),
+    ("kernels", "ops.py"),
+    ("kernels", "gla_torch.py"),
+    ("kernels", "feature_maps.py"),
+    ("kernels", "gla_triton.py"),
+    ("kernels", "feature_maps_triton.py"),
+]
+AUTO_MAP = {
+    "AutoConfig": "configuration_linearize.LinearizeConfig",
+    "AutoModel": "modeling_linearize.LinearizeModel",
+    "AutoModelForCausalLM": "modeling_linearize.LinearizeForCausalLM",
+}
+CROSS_PACKAGE_IMPORT = re.compile(r"^from \.\.\w+\.(\w+) import", flags=re.MULTILINE)
+
+
+def check_output(path: Path, overwrite: bool) -> None:
+    """Refuse to replace a user's folder unless asked to."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+        raise FileExistsError(f"output {str(path)!r} already exists: pass --overwrite or choose another --output")
+
+
+def write_remote_code(folder: Path) -> None:
+    """Copy the modeling and kernel sources flat into `folder`, with imports made same-folder."""
+    for package, name in REMOTE_CODE:
+        source = PACKAGE_ROOT / package / name
+        if source.is_file():
+            text = CROSS_PACKAGE_IMPORT.sub(r"from .\1 import", source.read_text())
+            (folder / name).write_text(text)
+
+
+def export(
+    model: LinearizeForCausalLM,
+    tokenizer: PreTrainedTokenizerBase | None,
+    output: str | os.PathLike,
+    overwrite: bool = False,
+    model_card: str | None = None,
+) -> Path:
+    """Write the student to `output` atomically and return the folder."""
+    output = Path(output).expanduser().resolve()
+    check_output(output, overwrite)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.staging-"))
+    try:
+        model.config.auto_map = dict(AUTO_MAP)
+        model.config.architectures = ["LinearizeForCausalLM"]
+        model.save_pretrained(staging, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        write_remote_code(staging)
+        (staging / "README.md").write_text(model_card or default_model_card(model))
+        _replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("exported to %s", output)
+    return output
+
+
+def _replace(staging: Path, output: Path) -> None:
+    """Swap the staged folder into place; an old folder is removed only after the new one is there."""
+    if not output.exists():
+        os.replace(staging, output)
+        return
+    retired = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.old-"))
+    os.replace(output, retired / "old")
+    os.replace(staging, output)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def default_model_card(model: LinearizeForCausalLM) -> str:
+    """A minimal card: what the model is and how to load it."""
+    config = model.config
+    linear = sum(t != "full_attention" for t in config.layer_types)
+    settings = config.linear_attention
+    return (
+        "---\nlibrary_name: transformers\ntags: [linearize, linear-attention, hybrid]\n---\n\n"
+        f"# Linearized {config.linearize_teacher or config.base_model_type}\n\n"
+        f"{linear} of {config.num_hidden_layers} attention layers are linear "
+        f"({settings['kind']}, feature map {settings['feature_map']}, window {settings['window']}); "
+        "the rest keep softmax attention. Converted with `linearize`.\n\n"
+        "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        'model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)\n'
+        'tokenizer = AutoTokenizer.from_pretrained("PATH")\n```\n\n'
+        f"Layer plan: `{' '.join('L' if t != 'full_attention' else 'S' for t in config.layer_types)}` "
+        "(L = linear, S = softmax).\n"
+    )

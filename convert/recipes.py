@@ -1,0 +1,200 @@
+"""Recipes: one YAML file = one complete, reproducible conversion.
+
+A recipe is validated against the dataclasses below; any unknown key or wrong type is a one-line
+error naming the key. Shipped recipes live in the `recipes/` folder (package data); their `aliases`
+are the CLI's short model names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..modeling.configuration_linearize import LINEAR_ATTENTION_DEFAULTS
+
+
+@dataclass
+class LayerPlan:
+    ratio: str | None = "3:1"  # linear:softmax
+    placement: str = "spread"  # spread | top | measured
+    linear_layers: list[int] | None = None  # explicit indices override ratio/placement
+    keep_softmax: list[int] = field(default_factory=list)  # layers that never become linear
+
+
+@dataclass
+class Attention:
+    kind: str = "gla"
+    feature_map: str = "hedgehog"
+    feature_dim: int | None = None
+    gate: str = "lowrank"
+    gate_rank: int = 16
+    normalize: bool = True
+    window: int = 0
+    chunk_size: int = 64
+    seed: int = 0
+
+
+@dataclass
+class Stage:
+    """Data and optimization of one training stage; `tokens: 0` skips it."""
+
+    tokens: int = 0
+    dataset: str = "embedded"
+    dataset_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    seq_len: int = 512
+    batch_size: int = 4
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    loss: str = "mse"  # transfer: mse; finetune: kl | ce
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    checkpoint_every: int = 25  # optimizer steps
+
+
+@dataclass
+class Evaluation:
+    heldout_tokens: int = 16384
+    heldout_seq_len: int = 512
+    tasks: list[str] = field(default_factory=lambda: ["arc_easy", "piqa", "hellaswag"])
+    limit: int | None = 200
+
+
+@dataclass
+class Recipe:
+    name: str = "custom"
+    description: str = ""
+    model: str = "embedded:smollm2-135m-instruct"
+    aliases: list[str] = field(default_factory=list)
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    seed: int = 0
+    layers: LayerPlan = field(default_factory=LayerPlan)
+    attention: Attention = field(default_factory=Attention)
+    transfer: Stage = field(default_factory=lambda: Stage(tokens=0, lr=1e-2, loss="mse"))
+    finetune: Stage = field(default_factory=lambda: Stage(tokens=0, lr=1e-4, loss="kl"))
+    eval: Evaluation = field(default_factory=Evaluation)
+
+    def linear_attention(self) -> dict[str, Any]:
+        return {k: getattr(self.attention, k) for k in LINEAR_ATTENTION_DEFAULTS}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(value: Any, annotation: Any, where: str) -> Any:
+    """Validate one value against a (simple) type annotation; return it, coerced where harmless."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check(value, option, where)
+            except ValueError as err:
+                errors.append(err)
+        raise errors[0]
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"recipe key {where!r} must be a list, got {value!r}")
+        (item,) = typing.get_args(annotation)
+        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(annotation):
+        return _build(annotation, value, where)
+    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if annotation is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if annotation is str and isinstance(value, (int, float)) and not isinstance(value, bool) and where.endswith("ratio"):
+        raise ValueError(f"recipe key {where!r} must be a quoted string like \"3:1\", got {value!r}")
+    if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
+        raise ValueError(f"recipe key {where!r} must be {annotation.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type, data: Any, where: str = "") -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe section {where or 'top level'!r} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise ValueError(f"unknown recipe key {key!r}: allowed keys here are {', '.join(names)}")
+    base = cls()
+    values = {}
+    for name in names:
+        if name in data:
+            sub = f"{where}.{name}" if where else name
+            current = getattr(base, name)
+            if dataclasses.is_dataclass(current):
+                merged = {**dataclasses.asdict(current), **(data[name] or {})}
+                values[name] = _check(merged, hints[name], sub)
+            else:
+                values[name] = _check(data[name], hints[name], sub)
+    return dataclasses.replace(base, **values)
+
+
+def parse_recipe(data: dict[str, Any]) -> Recipe:
+    """A validated `Recipe` from a mapping (defaults fill what it leaves out)."""
+    recipe = _build(Recipe, data)
+    if recipe.transfer.loss != "mse":
+        raise ValueError("recipe key 'transfer.loss' must be 'mse' (attention transfer matches outputs)")
+    if recipe.finetune.loss not in ("kl", "ce"):
+        raise ValueError(f"recipe key 'finetune.loss' must be 'kl' or 'ce', got {recipe.finetune.loss!r}")
+    if recipe.layers.placement not in ("spread", "top", "measured"):
+        raise ValueError(f"recipe key 'layers.placement' must be spread, top or measured, got {recipe.layers.placement!r}")
+    if recipe.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"recipe key 'dtype' must be auto, float32, bfloat16 or float16, got {recipe.dtype!r}")
+    return recipe
+
+
+def shipped_recipes() -> dict[str, Recipe]:
+    """The recipes that ship with the package, by name."""
+    found = {}
+    for entry in resources.files("linearize.recipes").iterdir():
+        if entry.name.endswith(".yaml"):
+            recipe = parse_recipe(yaml.safe_load(entry.read_text()))
+            found[recipe.name] = recipe
+    return found
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    """A shipped recipe by name, or a YAML file by path."""
+    path = Path(name_or_path).expanduser()
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe file {name_or_path!r} not found: check the path")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ValueError(f"recipe {name_or_path!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        return parse_recipe(data or {})
+    shipped = shipped_recipes()
+    if name_or_path not in shipped:
+        raise ValueError(f"unknown recipe {name_or_path!r}: use a YAML file or one of {', '.join(sorted(shipped))}")
+    return shipped[name_or_path]
+
+
+def default_recipe_for(model: str) -> Recipe:
+    """The shipped recipe whose alias or model matches `model`, else the generic defaults for it."""
+    for recipe in shipped_recipes().values():
+        if model in recipe.aliases or model == recipe.model or model == recipe.name:
+            return recipe
+    return dataclasses.replace(Recipe(), name="custom", model=model, aliases=[])
