@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
@@ -60,8 +61,9 @@ def export(
     output: str | os.PathLike,
     overwrite: bool = False,
     model_card: str | None = None,
+    extras: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write the student to `output` atomically and return the folder."""
+    """Write the student to `output` atomically and return the folder; `extras` adds files to the staging folder."""
     output = Path(output).expanduser().resolve()
     check_output(output, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -74,6 +76,8 @@ def export(
             tokenizer.save_pretrained(staging)
         write_remote_code(staging)
         (staging / "README.md").write_text(model_card or default_model_card(model))
+        if extras is not None:
+            extras(staging)
         _replace(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -121,6 +121,6 @@ def _is_new_parameter(student: torch.nn.Module, name: str) -> bool:
     return not tail.startswith(("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"))
 
 
-def new_parameters(student: LinearizeForCausalLM) -> list[torch.nn.Parameter]:
-    """The trainable parameters of stage 1: those the teacher does not have."""
-    return [p for name, p in student.named_parameters() if _is_new_parameter(student, name)]
+def new_parameters(student: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The trainable parameters of stage 1, by name: those the teacher does not have."""
+    return {name: p for name, p in student.named_parameters() if _is_new_parameter(student, name)}

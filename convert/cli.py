@@ -1,0 +1,234 @@
+"""The `linearize` command line.
+
+    linearize --model llama --ratio 3:1 --attention gla --output out/smollm2
+    linearize eval DIR | linearize bench DIR | linearize bench --kernels | linearize ppl MODEL
+
+Library code only logs; this module renders (rich tables, one-line errors, exit codes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+EXAMPLES = """examples:
+  linearize --model llama --ratio 3:1                       # embedded SmolLM2-135M, GLA, recipe smollm2-gla
+  linearize --model smollm2 --attention performer --recipe smollm2-performer --output out/perf
+  linearize --model meta-llama/Llama-3.2-1B --recipe llama-3.2-1b-gla --output out/llama1b
+  linearize --model ./my-model --linear-layers 0,1,2,4 --transfer-tokens 100000 --finetune-tokens 0
+  accelerate launch --num_processes 2 -m linearize --model llama --output out/ddp
+  linearize eval out/smollm2 --limit 200        linearize bench out/smollm2 --contexts 1024,4096
+"""
+
+SUBCOMMANDS = ("eval", "bench", "ppl")
+
+
+def convert_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="linearize",
+        description="Convert a softmax-attention LLM into a hybrid linear-attention model, recover its quality "
+        "by attention transfer and LoRA, and export a transformers model. Other verbs: "
+        "`linearize eval DIR`, `linearize bench DIR`, `linearize ppl MODEL` (each has --help).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_argument_group("what to convert")
+    src.add_argument("--model", help="hub id (org/name), local model folder, .gguf file, or a short name (llama, smollm2)")
+    src.add_argument("--recipe", help="shipped recipe name (e.g. smollm2-gla) or a YAML file; flags override its fields")
+    src.add_argument("--output", "-o", help="export folder (default: out/<recipe or model>)")
+    src.add_argument("--overwrite", action="store_true", help="replace an existing output folder / discard a stale work folder")
+    src.add_argument("--work-dir", help="where checkpoints live while running (default: .<output>.work beside the output)")
+    plan = p.add_argument_group("layer plan")
+    plan.add_argument("--ratio", help="linear:softmax layers, e.g. 3:1, 1:1, 1:0 (all linear)")
+    plan.add_argument("--linear-layers", help="explicit comma-separated layer indices to make linear, e.g. 0,1,2,4")
+    plan.add_argument("--placement", choices=["spread", "top", "measured"], help="where the softmax layers go")
+    plan.add_argument("--keep-softmax", help="comma-separated layers that always keep softmax, e.g. 0,1 ('' for none)")
+    att = p.add_argument_group("linear attention")
+    att.add_argument("--attention", choices=["gla", "performer"], help="kind of linear attention")
+    att.add_argument("--feature-map", choices=["hedgehog", "elu", "identity", "performer"])
+    att.add_argument("--feature-dim", type=int, help="hedgehog width per half, or Performer random features")
+    att.add_argument("--gate", choices=["lowrank", "key", "none"], help="GLA decay gate")
+    att.add_argument("--window", type=int, help="softmax window (tokens) mixed into each linear layer; 0 disables")
+    tr = p.add_argument_group("training")
+    tr.add_argument("--transfer-tokens", type=int, help="stage 1 (attention transfer) token budget; 0 skips it")
+    tr.add_argument("--finetune-tokens", type=int, help="stage 2 (LoRA) token budget; 0 skips it")
+    tr.add_argument("--transfer-lr", type=float)
+    tr.add_argument("--finetune-lr", type=float)
+    tr.add_argument("--finetune-loss", choices=["kl", "ce"], help="KL to the teacher's logits or next-token CE")
+    tr.add_argument("--lora-rank", type=int)
+    tr.add_argument("--lora-targets", help="comma-separated projection names, e.g. q_proj,k_proj,v_proj,o_proj")
+    tr.add_argument("--seq-len", type=int, help="training sequence length (both stages)")
+    tr.add_argument("--batch-size", type=int, help="sequences per step per process (both stages)")
+    tr.add_argument("--dataset", help="'embedded', local .txt/.jsonl/.parquet file or folder, or a hub dataset name")
+    tr.add_argument("--dataset-config", help="hub dataset config name")
+    tr.add_argument("--text-field", help="text column of jsonl/parquet/hub data (default: text)")
+    tr.add_argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints")
+    tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto: fp32 on CPU, bf16 on GPU")
+    tr.add_argument("--seed", type=int)
+    out = p.add_argument_group("report")
+    out.add_argument("--heldout-tokens", type=int, help="tokens of the held-out slice scored for perplexity")
+    out.add_argument("--no-measure", action="store_true", help="skip the held-out perplexity before/after")
+    out.add_argument("--prompt", default="The Python programming language", help="prompt for the sample generation")
+    out.add_argument("--max-new-tokens", type=int, default=40, help="length of the sample generation (0 skips it)")
+    out.add_argument("--quiet", action="store_true", help="no progress bars or info logs")
+    return p
+
+
+def _csv(text: str | None, cast=str) -> list | None:
+    if text is None:
+        return None
+    try:
+        return [cast(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"malformed list {text!r}: use comma-separated values, e.g. 0,1,2") from None
+
+
+def recipe_from_args(args: argparse.Namespace):
+    """The recipe the flags describe: --recipe or the model's default recipe, with flags on top."""
+    from .pipeline import apply_overrides
+    from .recipes import default_recipe_for, load_recipe
+
+    if args.recipe is None and args.model is None:
+        raise ValueError("nothing to convert: pass --model (e.g. --model llama) or --recipe")
+    recipe = load_recipe(args.recipe) if args.recipe else default_recipe_for(args.model)
+    overrides = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "layers.ratio": args.ratio,
+        "layers.placement": args.placement,
+        "layers.linear_layers": _csv(args.linear_layers, int),
+        "layers.keep_softmax": _csv(args.keep_softmax, int),
+        "attention.kind": args.attention,
+        "attention.feature_map": args.feature_map,
+        "attention.feature_dim": args.feature_dim,
+        "attention.gate": args.gate,
+        "attention.window": args.window,
+        "transfer.tokens": args.transfer_tokens,
+        "transfer.lr": args.transfer_lr,
+        "finetune.tokens": args.finetune_tokens,
+        "finetune.lr": args.finetune_lr,
+        "finetune.loss": args.finetune_loss,
+        "finetune.lora_rank": args.lora_rank,
+        "finetune.lora_targets": _csv(args.lora_targets),
+        "eval.heldout_tokens": args.heldout_tokens,
+    }
+    if args.attention == "performer" and recipe.attention.kind != "performer":
+        overrides["attention.feature_map"] = args.feature_map or "performer"
+        overrides["attention.gate"] = args.gate or "none"
+    if args.attention == "gla" and recipe.attention.kind != "gla":
+        overrides["attention.feature_map"] = args.feature_map or "hedgehog"
+        overrides["attention.gate"] = args.gate or "lowrank"
+    for stage in ("transfer", "finetune"):
+        for flag, key in (
+            ("seq_len", "seq_len"),
+            ("batch_size", "batch_size"),
+            ("dataset", "dataset"),
+            ("dataset_config", "dataset_config"),
+            ("text_field", "text_field"),
+            ("checkpoint_every", "checkpoint_every"),
+        ):
+            overrides[f"{stage}.{key}"] = getattr(args, flag)
+    return apply_overrides(recipe, overrides)
+
+
+def default_output(recipe) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", recipe.name if recipe.name != "custom" else recipe.model).strip("-")
+    return os.path.join("out", name)
+
+
+def _render_report(report, console) -> None:
+    from rich.table import Table
+
+    table = Table(title="linearize: before / after", show_lines=False)
+    table.add_column("metric")
+    table.add_column("value")
+    for metric, value in report.rows():
+        table.add_row(metric, value)
+    console.print(table)
+
+
+def _sample(output: str, prompt: str, max_new_tokens: int) -> str:
+    """Reload the export exactly as a user would and generate from it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(output, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(output, trust_remote_code=True)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        ids = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(ids[0], skip_special_tokens=True)
+
+
+def convert_main(argv: list[str]) -> int:
+    args = convert_parser().parse_args(argv)
+    from rich.console import Console
+
+    console = Console(stderr=False)
+    if args.quiet:
+        os.environ["LINEARIZE_NO_PROGRESS"] = "1"
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    logging.getLogger("linearize").setLevel(logging.WARNING if args.quiet else logging.INFO)
+    import torch
+    from accelerate import Accelerator
+
+    from .pipeline import convert
+    from .sources import resolve
+
+    torch.set_flush_denormal(True)
+    recipe = recipe_from_args(args)
+    source = resolve(recipe.model)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    main = accelerator.is_main_process
+    if main:
+        shown = recipe.model if recipe.model == source.spec else f"{recipe.model} -> {source.spec}"
+        console.print(f"[bold]model[/bold] {args.model or recipe.model} -> {shown} ({source.kind}: {source.location})")
+        console.print(f"[bold]recipe[/bold] {recipe.name}: {recipe.description or 'from flags'}")
+    output = args.output or default_output(recipe)
+    _, report = convert(
+        recipe.model,
+        recipe=recipe,
+        output=output,
+        overwrite=args.overwrite,
+        work_dir=args.work_dir,
+        accelerator=accelerator,
+        measure=not args.no_measure,
+    )
+    if main:
+        _render_report(report, console)
+        console.print(f"[bold]exported[/bold] {report.output} (report.json, loss.png, model card inside)")
+        if args.max_new_tokens > 0:
+            console.print("[bold]sample[/bold] (reloaded with trust_remote_code):")
+            console.print(_sample(report.output, args.prompt, args.max_new_tokens))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from .train import NonFiniteLoss, StageInterrupted
+
+    try:
+        if argv and argv[0] in SUBCOMMANDS:
+            from ..eval import cli as eval_cli
+
+            verb, rest = argv[0], argv[1:]
+            if verb == "bench" and "--kernels" in rest:
+                from ..eval.kernel_bench import kernel_bench_main
+
+                return kernel_bench_main([a for a in rest if a != "--kernels"])
+            return {"eval": eval_cli.eval_main, "bench": eval_cli.bench_main, "ppl": eval_cli.ppl_main}[verb](rest)
+        return convert_main(argv)
+    except StageInterrupted as err:
+        print(f"linearize: {err}", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, FileExistsError, NonFiniteLoss) as err:
+        print(f"linearize: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

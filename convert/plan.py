@@ -1,0 +1,109 @@
+"""Select: which layers become linear.
+
+A plan is a list of layer types. It comes from an explicit list of indices, or from a ratio
+(linear:softmax) and a placement: `spread` puts the softmax layers evenly through the depth, `top`
+keeps softmax in the top layers, `measured` keeps softmax where a short attention transfer matched
+the teacher worst.
+"""
+
+from __future__ import annotations
+
+import re
+
+FULL, LINEAR, HYBRID = "full_attention", "linear_attention", "hybrid_sliding"
+RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+def parse_ratio(text: str) -> tuple[int, int]:
+    """'3:1' -> (3, 1); anything else is a one-line error with examples."""
+    match = RATIO.match(str(text))
+    if not match:
+        raise ValueError(f"malformed ratio {text!r}: use LINEAR:SOFTMAX, e.g. 3:1, 1:1 or 1:0 (all linear)")
+    linear, softmax = int(match.group(1)), int(match.group(2))
+    if linear == 0:
+        raise ValueError(f"ratio {text!r} leaves no layer linear: use LINEAR:SOFTMAX with LINEAR >= 1, e.g. 3:1")
+    return linear, softmax
+
+
+def parse_layers(text: str | list[int], num_layers: int) -> list[int]:
+    """'0,1,2' or [0, 1, 2] -> sorted unique indices, each checked against the model's depth."""
+    if isinstance(text, str):
+        try:
+            indices = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        except ValueError:
+            raise ValueError(f"malformed layer list {text!r}: use comma-separated indices, e.g. 0,1,2,4") from None
+    else:
+        indices = list(text)
+    for i in indices:
+        if not 0 <= i < num_layers:
+            raise ValueError(f"layer index {i} out of range: the model has {num_layers} layers (0-{num_layers - 1})")
+    if not indices:
+        raise ValueError("the layer list is empty: name at least one layer to make linear")
+    return sorted(set(indices))
+
+
+def softmax_count(num_layers: int, ratio: tuple[int, int]) -> int:
+    """How many layers keep softmax: the ratio's share, rounded half up."""
+    linear, softmax = ratio
+    return int(num_layers * softmax / (linear + softmax) + 0.5)
+
+
+def choose_softmax(
+    num_layers: int,
+    ratio: tuple[int, int],
+    placement: str,
+    keep_softmax: list[int] | None = None,
+    layer_errors: list[float] | None = None,
+) -> list[int]:
+    """Indices that keep softmax attention under a ratio and placement."""
+    keep = parse_layers(keep_softmax, num_layers) if keep_softmax else []
+    wanted = max(softmax_count(num_layers, ratio), len(keep))
+    free = [i for i in range(num_layers) if i not in keep]
+    extra = wanted - len(keep)
+    if extra <= 0:
+        return keep
+    if placement == "spread":
+        # The last layer of each of `extra` equal groups: L L L S L L L S ... over the free layers.
+        picked = [free[int((j + 1) * len(free) / extra) - 1] for j in range(extra)]
+    elif placement == "top":
+        picked = free[-extra:]
+    elif placement == "measured":
+        if layer_errors is None or len(layer_errors) != num_layers:
+            raise ValueError("measured placement needs one transfer error per layer")
+        picked = sorted(free, key=lambda i: layer_errors[i], reverse=True)[:extra]
+    else:
+        raise ValueError(f"unknown placement {placement!r}: use spread, top or measured")
+    return sorted(set(keep) | set(picked))
+
+
+def layer_types(num_layers: int, linear: list[int], window: int) -> list[str]:
+    """The config's layer_types for a set of linear layers (hybrid_sliding when they carry a window)."""
+    kind = HYBRID if window else LINEAR
+    return [kind if i in set(linear) else FULL for i in range(num_layers)]
+
+
+def plan_layers(
+    num_layers: int,
+    window: int,
+    ratio: str | None = "3:1",
+    placement: str = "spread",
+    linear_layers: str | list[int] | None = None,
+    keep_softmax: list[int] | None = None,
+    layer_errors: list[float] | None = None,
+) -> list[str]:
+    """The full plan: explicit indices win over ratio and placement."""
+    if linear_layers:
+        linear = parse_layers(linear_layers, num_layers)
+    else:
+        if ratio is None:
+            raise ValueError("no layer plan: pass --ratio (e.g. 3:1) or --linear-layers (e.g. 0,1,2)")
+        softmax = choose_softmax(num_layers, parse_ratio(ratio), placement, keep_softmax, layer_errors)
+        linear = [i for i in range(num_layers) if i not in softmax]
+    if not linear:
+        raise ValueError("the plan makes no layer linear: lower the softmax share or shrink keep_softmax")
+    return layer_types(num_layers, linear, window)
+
+
+def describe(types: list[str]) -> str:
+    """Compact plan string, e.g. 'SSLLLSLLL...' (L linear, S softmax)."""
+    return "".join("S" if t == FULL else "L" for t in types)

@@ -1,0 +1,329 @@
+"""Stages 1 and 2: attention transfer and LoRA fine-tuning, on one loop that checkpoints and resumes.
+
+Stage 1 trains only the linear layers' new parameters: each linear layer, in transfer mode,
+computes the teacher's softmax output on the same input, passes it on and records the MSE of its
+own output against it, so one backbone pass trains every layer and no softmax output is computed
+twice. Stage 2 wraps the swapped layers' projections in peft LoRA adapters and trains them on
+next-token CE or on KL to the teacher's logits (computed on the fly), then merges them.
+
+The loop is data-parallel through accelerate (each process takes its own rows of every step),
+checkpoints trainable parameters and optimizer state to safetensors, resumes from the last
+checkpoint, saves and stops cleanly on Ctrl-C, and refuses to continue past a NaN/inf loss.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
+from .recipes import Stage
+from .swap import new_parameters
+
+logger = logging.getLogger(__name__)
+
+
+class StageInterrupted(RuntimeError):
+    """Ctrl-C during a stage: progress was saved and the same command resumes."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN/inf: the stage stopped and the last good state was kept."""
+
+
+@dataclass
+class StageResult:
+    name: str
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    resumed_from: int = 0
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (tokens seen, loss)
+    layer_errors: dict[int, float] = field(default_factory=dict)  # stage 1: relative MSE per layer
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.curve[-1][1] if self.curve else None
+
+
+class Checkpoint:
+    """One safetensors file per stage: trainable tensors, optimizer moments, and progress as metadata."""
+
+    def __init__(self, work_dir: Path | None, stage: str):
+        self.path = None if work_dir is None else Path(work_dir) / f"{stage}.safetensors"
+
+    def exists(self) -> bool:
+        return self.path is not None and self.path.is_file()
+
+    def meta(self) -> dict:
+        if not self.exists():
+            return {}
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), "pt") as f:
+            return json.loads((f.metadata() or {}).get("progress", "{}"))
+
+    def save(self, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None, progress: dict) -> None:
+        if self.path is None:
+            return
+        tensors = {f"param.{name}": p.detach().to("cpu").contiguous() for name, p in params.items()}
+        if optimizer is not None:
+            for index, state in optimizer.state_dict()["state"].items():
+                for key, value in state.items():
+                    if torch.is_tensor(value):
+                        tensors[f"optim.{index}.{key}"] = value.detach().to("cpu").contiguous()
+        tmp = self.path.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata={"progress": json.dumps(progress)})
+        os.replace(tmp, self.path)
+
+    def load(self, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None) -> dict:
+        """Restore tensors in place; returns the saved progress ({} when there is no checkpoint)."""
+        if not self.exists():
+            return {}
+        try:
+            tensors = load_file(str(self.path))
+        except Exception as err:
+            raise ValueError(f"checkpoint {self.path} is corrupt ({err}): delete it to restart this stage") from None
+        with torch.no_grad():
+            for name, p in params.items():
+                if f"param.{name}" not in tensors:
+                    raise ValueError(f"checkpoint {self.path} does not match this run: delete it or change --work-dir")
+                p.copy_(tensors[f"param.{name}"].to(p.dtype))
+        if optimizer is not None:
+            state: dict[int, dict] = {}
+            for key, value in tensors.items():
+                if key.startswith("optim."):
+                    _, index, name = key.split(".", 2)
+                    state.setdefault(int(index), {})[name] = value
+            if state:
+                optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+        return self.meta()
+
+
+def rows_for_step(data: torch.Tensor, step: int, batch_size: int, rank: int, world: int) -> torch.Tensor:
+    """This process's rows of a global step; data cycles when the budget exceeds one epoch."""
+    start = (step * world + rank) * batch_size
+    index = torch.arange(start, start + batch_size) % data.shape[0]
+    return data[index]
+
+
+def lr_lambda(total_steps: int, warmup: int) -> Callable[[int], float]:
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def run_loop(
+    name: str,
+    module: torch.nn.Module,
+    params: dict[str, torch.nn.Parameter],
+    data: torch.Tensor,
+    stage: Stage,
+    step_loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    accelerator: Accelerator,
+    work_dir: Path | None,
+) -> StageResult:
+    """Optimize `params` on `data` for the stage's token budget; checkpointed and resumable."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    tokens_per_step = stage.batch_size * data.shape[1] * world
+    total = max(1, math.ceil(stage.tokens / tokens_per_step))
+    optimizer = torch.optim.AdamW(params.values(), lr=stage.lr, weight_decay=stage.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, stage.warmup_steps))
+    checkpoint = Checkpoint(work_dir, name)
+    progress = checkpoint.load(params, optimizer)
+    result = StageResult(name, resumed_from=progress.get("step", 0))
+    result.curve = [tuple(x) for x in progress.get("curve", [])]
+    if progress.get("done"):
+        result.steps, result.tokens = progress["step"], progress["step"] * tokens_per_step
+        result.seconds = progress.get("seconds", 0.0)
+        logger.info("%s: already complete in the checkpoint (%d steps), skipping", name, result.steps)
+        return result
+    for _ in range(result.resumed_from):
+        scheduler.step()
+    if result.resumed_from:
+        logger.info("%s: resuming at step %d of %d", name, result.resumed_from, total)
+    prepared, optimizer = accelerator.prepare(module, optimizer)
+    elapsed = progress.get("seconds", 0.0)
+    started = time.perf_counter()
+
+    def save(step: int, done: bool = False) -> None:
+        if accelerator.is_main_process:
+            seconds = elapsed + time.perf_counter() - started
+            state = {"step": step, "done": done, "curve": result.curve, "seconds": seconds}
+            checkpoint.save(params, optimizer, state)
+        accelerator.wait_for_everyone()
+
+    bar = tqdm(
+        total=total,
+        initial=result.resumed_from,
+        desc=name,
+        unit="step",
+        disable=not accelerator.is_main_process or bool(os.environ.get("LINEARIZE_NO_PROGRESS")),
+    )
+    completed = result.resumed_from
+    prepared.train()
+    try:
+        for step in range(result.resumed_from, total):
+            batch = rows_for_step(data, step, stage.batch_size, rank, world).to(accelerator.device)
+            loss = step_loss(prepared, batch)
+            if not torch.isfinite(loss.detach()).all():
+                checkpoint.load(params, None)
+                raise NonFiniteLoss(
+                    f"{name}: loss became {loss.item()} at step {step}: lower its lr; the last good state is kept "
+                    "and a rerun resumes from it"
+                )
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(list(params.values()), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            completed = step + 1
+            value = accelerator.reduce(loss.detach(), reduction="mean").item()
+            result.curve.append((completed * tokens_per_step, value))
+            seconds = time.perf_counter() - started
+            rate = (completed - result.resumed_from) * tokens_per_step / max(seconds, 1e-9)
+            bar.set_postfix(loss=f"{value:.4g}", tok_s=f"{rate:.0f}")
+            bar.update(1)
+            if completed % stage.checkpoint_every == 0 and completed < total:
+                save(completed)
+    except KeyboardInterrupt:
+        save(completed)
+        raise StageInterrupted(
+            f"interrupted: {name} progress saved at step {completed}; rerun the same command to resume"
+        ) from None
+    finally:
+        bar.close()
+    save(completed, done=True)
+    result.steps, result.tokens = completed, completed * tokens_per_step
+    result.seconds = elapsed + time.perf_counter() - started
+    return result
+
+
+def linear_layers(model: torch.nn.Module) -> list[LinearAttention]:
+    return [m for m in model.modules() if isinstance(m, LinearAttention)]
+
+
+@contextmanager
+def transfer_mode(model: torch.nn.Module) -> Iterator[list[LinearAttention]]:
+    """Linear layers compute, record and pass on the teacher's softmax output while inside."""
+    layers = linear_layers(model)
+    for layer in layers:
+        layer.transfer = True
+    try:
+        yield layers
+    finally:
+        for layer in layers:
+            layer.transfer, layer.transfer_loss = False, None
+
+
+def attention_transfer(
+    student: LinearizeForCausalLM, data: torch.Tensor, stage: Stage, accelerator: Accelerator, work_dir: Path | None
+) -> StageResult:
+    """Stage 1: fit the new parameters so each linear layer reproduces its softmax layer's output."""
+    params = new_parameters(student)
+    if not params:
+        logger.info("transfer: the linear layers have no trainable parameters, skipping")
+        return StageResult("transfer")
+    for p in student.parameters():
+        p.requires_grad_(False)
+    for p in params.values():
+        p.requires_grad_(True)
+    layer_sums: dict[int, list[float]] = {}
+
+    with transfer_mode(student) as layers:
+
+        def step_loss(backbone: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+            backbone(input_ids=batch, use_cache=False)
+            losses = [layer.transfer_loss for layer in layers]
+            for layer, loss in zip(layers, losses):
+                layer_sums.setdefault(layer.layer_idx, []).append(loss.item())
+            return torch.stack(losses).sum()
+
+        result = run_loop("transfer", student.model, params, data, stage, step_loss, accelerator, work_dir)
+    for p in student.parameters():
+        p.requires_grad_(False)
+    result.layer_errors = {i: sum(v) / len(v) for i, v in layer_sums.items()}
+    return result
+
+
+@torch.no_grad()
+def measure_layer_errors(student: LinearizeForCausalLM, data: torch.Tensor, batch_size: int = 2) -> dict[int, float]:
+    """Relative transfer error of every linear layer on `data`: MSE / mean square of the teacher output."""
+    errors: dict[int, list[float]] = {}
+    scales: dict[int, float] = {}
+    with transfer_mode(student) as layers:
+        hooks = []
+        for layer in layers:
+
+            def keep_scale(module, args, output, index=layer.layer_idx):
+                scales[index] = output.float().pow(2).mean().item()
+
+            hooks.append(layer.register_forward_hook(keep_scale))
+        try:
+            for start in range(0, data.shape[0], batch_size):
+                student.model(input_ids=data[start : start + batch_size], use_cache=False)
+                for layer in layers:
+                    rel = layer.transfer_loss.item() / max(scales[layer.layer_idx], 1e-12)
+                    errors.setdefault(layer.layer_idx, []).append(rel)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    return {i: sum(v) / len(v) for i, v in errors.items()}
+
+
+def lora_finetune(
+    student: LinearizeForCausalLM,
+    teacher: torch.nn.Module | None,
+    data: torch.Tensor,
+    stage: Stage,
+    accelerator: Accelerator,
+    work_dir: Path | None,
+) -> StageResult:
+    """Stage 2: LoRA on the swapped layers (CE, or KL to the teacher), merged into the weights after."""
+    from peft import LoraConfig, get_peft_model
+
+    indices = [layer.layer_idx for layer in linear_layers(student)]
+    targets = "|".join(stage.lora_targets)
+    pattern = rf"model\.layers\.({'|'.join(map(str, indices))})\.self_attn\.({targets})"
+    config = LoraConfig(r=stage.lora_rank, lora_alpha=stage.lora_alpha, lora_dropout=0.0, target_modules=pattern)
+    for p in student.parameters():
+        p.requires_grad_(False)
+    peft_model = get_peft_model(student, config)
+    params = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    if stage.loss == "kl" and teacher is None:
+        raise ValueError("finetune loss 'kl' needs the teacher: keep it loaded or use loss 'ce'")
+    if teacher is not None:
+        teacher.to(accelerator.device).eval()
+
+    def step_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+        if stage.loss == "ce":
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        with torch.no_grad():
+            target = teacher(input_ids=batch, use_cache=False).logits[:, :-1].float().log_softmax(-1)
+        return F.kl_div(logits.log_softmax(-1), target, log_target=True, reduction="none").sum(-1).mean()
+
+    result = run_loop("finetune", peft_model, params, data, stage, step_loss, accelerator, work_dir)
+    merged = peft_model.merge_and_unload()
+    for p in merged.parameters():
+        p.requires_grad_(False)
+    return result
