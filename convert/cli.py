@@ -185,8 +185,8 @@ def convert_main(argv: list[str]) -> int:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     main = accelerator.is_main_process
     if main:
-        shown = recipe.model if recipe.model == source.spec else f"{recipe.model} -> {source.spec}"
-        console.print(f"[bold]model[/bold] {args.model or recipe.model} -> {shown} ({source.kind}: {source.location})")
+        asked = args.model or recipe.model
+        console.print(f"[bold]model[/bold] {asked} resolves to {source.spec} ({source.kind}: {source.location})")
         console.print(f"[bold]recipe[/bold] {recipe.name}: {recipe.description or 'from flags'}")
     output = args.output or default_output(recipe)
     _, report = convert(

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ def _heldout_ppl(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, rec
         stride=seq_len,
         max_tokens=recipe.eval.heldout_tokens,
         batch_size=4,
+        progress=not os.environ.get("LINEARIZE_NO_PROGRESS"),
     )
     return float(result["ppl"])
 
@@ -161,7 +163,8 @@ class WorkDir:
         if meta.is_file():
             saved = json.loads(meta.read_text())
             if saved.get("fingerprint") != fingerprint:
-                if not overwrite:
+                # A run that failed before its first checkpoint (e.g. a typo in a flag) holds nothing to resume.
+                if not overwrite and any(path.glob("*.safetensors")):
                     raise FileExistsError(
                         f"work folder {str(path)!r} holds a different run: rerun that run's command to resume it, "
                         "or pass --overwrite to discard it"

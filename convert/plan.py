@@ -91,8 +91,8 @@ def plan_layers(
     keep_softmax: list[int] | None = None,
     layer_errors: list[float] | None = None,
 ) -> list[str]:
-    """The full plan: explicit indices win over ratio and placement."""
-    if linear_layers:
+    """The full plan: explicit indices win over ratio and placement (an explicit empty list is an error)."""
+    if linear_layers is not None:
         linear = parse_layers(linear_layers, num_layers)
     else:
         if ratio is None:

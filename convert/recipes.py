@@ -144,7 +144,10 @@ def _build(cls: type, data: Any, where: str = "") -> Any:
             sub = f"{where}.{name}" if where else name
             current = getattr(base, name)
             if dataclasses.is_dataclass(current):
-                merged = {**dataclasses.asdict(current), **(data[name] or {})}
+                section = data[name] or {}
+                if not isinstance(section, dict):
+                    raise ValueError(f"recipe section {sub!r} must be a mapping, got {section!r}")
+                merged = {**dataclasses.asdict(current), **section}
                 values[name] = _check(merged, hints[name], sub)
             else:
                 values[name] = _check(data[name], hints[name], sub)

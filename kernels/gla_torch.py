@@ -124,13 +124,18 @@ def gla_chunked(
         o = o + scores @ v.unsqueeze(2)
         return o.reshape(B, HQ, N * C, V)[:, :, :T].to(dtype), state
 
-    # Inside a chunk: one reference point per query sub-chunk keeps every exponent in range.
-    for start in range(0, C, SUB_CHUNK):
-        end = start + SUB_CHUNK
-        ref = b[:, :, :, start : start + 1]
-        qi = q[..., start:end, :] * (b[:, :, :, start:end] - ref).exp().unsqueeze(2)
-        ki = k[:, :, :, :end] * (ref - b[:, :, :, :end]).exp()
-        scores = (qi @ ki.unsqueeze(2).transpose(-1, -2)).masked_fill(~causal[start:end, :end], 0.0)
-        o[..., start:end, :] += scores @ v[:, :, :, :end].unsqueeze(2)
+    # Inside a chunk: one reference point per query sub-chunk (its first position) keeps every
+    # exponent in range; keys after the sub-chunk are masked before exponentiating.
+    m, c = C // SUB_CHUNK, SUB_CHUNK
+    b_sub = b.view(B, H, N, m, c, K)
+    ref = b_sub[:, :, :, :, :1]  # [B, H, N, m, 1, K]
+    q_sub = q.view(B, H, -1, N, m, c, K) * (b_sub - ref).exp().unsqueeze(2)
+    visible = torch.arange(C, device=q.device)[None, :] < (torch.arange(m, device=q.device)[:, None] + 1) * c
+    key_exp = ref - b.unsqueeze(3)  # [B, H, N, m, C, K]
+    key_exp = key_exp.masked_fill(~visible[:, :, None], float("-inf"))
+    k_sub = k.unsqueeze(3) * key_exp.exp()
+    scores = q_sub @ k_sub.unsqueeze(2).transpose(-1, -2)  # [B, H, G, N, m, c, C]
+    scores = scores.masked_fill(~causal.view(m, c, C), 0.0)
+    o = o + (scores @ v.unsqueeze(2).unsqueeze(4)).reshape(o.shape)
     o = o.reshape(B, HQ, N * C, V)[:, :, :T]
     return o.to(dtype), state
