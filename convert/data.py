@@ -1,13 +1,15 @@
 """Training and held-out text, and packing it into fixed-length token sequences.
 
-The embedded corpus is CPython's own documentation (`pydoc_data.topics`, always installed). Every
-tenth topic (sorted by name) is the held-out slice: never trained on, used for perplexity.
+The embedded corpus is CPython's own documentation (`pydoc_data.topics`, always installed), joined
+in topic-name order. Its last tenth (cut at a paragraph break) is the held-out slice: never trained
+on, used for perplexity.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -16,32 +18,41 @@ from transformers import PreTrainedTokenizerBase
 logger = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
-HELDOUT_EVERY = 10
+HELDOUT_FRACTION = 0.1
 
 
-def _topics() -> list[tuple[str, str]]:
+@lru_cache(maxsize=1)
+def _split() -> tuple[str, str]:
     from pydoc_data.topics import topics
 
-    return sorted(topics.items())
+    text = "\n\n".join(body for _, body in sorted(topics.items()))
+    cut = text.find("\n\n", int(len(text) * (1 - HELDOUT_FRACTION)))
+    return text[:cut], text[cut + 2 :]
 
 
 def train_text() -> str:
     """The embedded corpus minus the held-out slice."""
-    return "\n\n".join(text for i, (_, text) in enumerate(_topics()) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1)
+    return _split()[0]
 
 
 def heldout_text() -> str:
-    """The fixed held-out slice of the embedded corpus (about a tenth of it)."""
-    return "\n\n".join(text for i, (_, text) in enumerate(_topics()) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1)
+    """The fixed held-out slice of the embedded corpus (its last tenth)."""
+    return _split()[1]
 
 
 def _read_local(path: Path, text_field: str) -> list[str]:
+    missing = ValueError(f"{str(path)!r} has no {text_field!r} field: pass its text column with --text-field")
     if path.suffix == ".jsonl":
         with path.open() as f:
-            return [json.loads(line)[text_field] for line in f if line.strip()]
+            try:
+                return [json.loads(line)[text_field] for line in f if line.strip()]
+            except KeyError:
+                raise missing from None
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
+        if text_field not in pq.read_schema(path).names:
+            raise missing
         return [str(x) for x in pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()]
     return [path.read_text()]
 

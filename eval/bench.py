@@ -1,0 +1,424 @@
+"""Speed and memory of a student against its teacher: prefill, decode, peak memory, cache size.
+
+Method (the same for both models, in one process):
+- Input: seeded random token ids (speed does not depend on content), `B x context`.
+- Prefill: one forward with a fresh `DynamicCache(config=model.config)`, keeping only the last
+  position's logits (full logits at 16K x 8 x 49K vocab would dominate memory and time).
+- Decode: `decode_tokens` greedy steps, one token per sequence per step, on the prefill cache.
+  tokens/s counts all sequences in the batch.
+- Cache bytes: exact, summed over the cache's tensors after decoding (`cache_nbytes`).
+- Peak memory: the extra memory the point needed above what was in use before it.
+  CUDA: `torch.cuda.max_memory_allocated` minus the allocation before the point.
+  CPU: the process's peak resident set (Linux `VmHWM`, reset through `/proc/self/clear_refs`
+  before the point, after `malloc_trim`) minus the resident set before it; where that reset is
+  unavailable, RSS is sampled every 2 ms instead. This counts everything the process touched
+  (activations, cache, allocator slack), so it is an honest upper bound, not a tensor count.
+- Points whose predicted cache would not fit in the free memory are skipped, not crashed into.
+- Each model gets one small warm-up point first, so one-time costs are not timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import inspect
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXTS = (1024, 4096, 16384)
+DEFAULT_BATCH_SIZES = (1, 8)
+MiB = 1024**2
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes held by a transformers cache: keys/values of attention layers plus the
+    `recurrent_states` / `conv_states` of linear-attention layers (logical tensor sizes)."""
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        for name in ("recurrent_states", "conv_states"):
+            states = getattr(layer, name, None)
+            if isinstance(states, dict):
+                tensors.extend(states.values())
+        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return total
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return _proc_status_kib("VmHWM") is not None
+
+
+def _malloc_trim() -> None:
+    """Hand freed heap back to the OS so the next baseline RSS is not inflated by earlier points."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class PeakMemory:
+    """Context manager measuring the peak extra memory of a block, in bytes (see module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_bytes = 0
+        self.method = ""
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+        self._sampled = 0
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.method = "cuda max_memory_allocated"
+            return self
+        _malloc_trim()
+        self._base = psutil.Process().memory_info().rss
+        if _reset_peak_rss():
+            self.method = "peak RSS (VmHWM)"
+        else:
+            self.method = "sampled RSS (2 ms)"
+            self._sampled = self._base
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        proc = psutil.Process()
+        while not self._stop.wait(0.002):
+            self._sampled = max(self._sampled, proc.memory_info().rss)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        elif self._sampler is not None:
+            self._stop.set()
+            self._sampler.join()
+            peak = max(self._sampled, psutil.Process().memory_info().rss)
+        else:
+            peak = (_proc_status_kib("VmHWM") or 0) * 1024
+        self.peak_bytes = max(0, peak - self._base)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class _Runner:
+    """Prefill + greedy decode with a transformers DynamicCache, as `generate` would do it."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.device = _device_of(model)
+        self.vocab = model.config.get_text_config().vocab_size
+        self.keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.keep else {}
+        out = self.model(ids, cache=DynamicCache(config=self.model.config), use_cache=True, **kwargs)
+        return out.logits[:, -1].argmax(-1, keepdim=True), out.cache
+
+    def decode(self, token: torch.Tensor, cache: Any, steps: int) -> Any:
+        for _ in range(steps):
+            out = self.model(token, cache=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            cache = out.cache
+        return cache
+
+    def cache_per_token(self) -> tuple[float, float]:
+        """(fixed, per-token) cache bytes for one sequence, from two short prefills."""
+        sizes = []
+        for n in (8, 16):
+            _, cache = self.prefill(torch.zeros(1, n, dtype=torch.long, device=self.device))
+            sizes.append(cache_nbytes(cache))
+        slope = (sizes[1] - sizes[0]) / 8
+        return sizes[0] - 8 * slope, slope
+
+
+@torch.no_grad()
+def bench_model(
+    model: PreTrainedModel,
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    decode_tokens: int = 32,
+    name: str = "model",
+    seed: int = 0,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """One dict per (context, batch): timings, tokens/s, peak memory, cache bytes, and `status`
+    ("ok", "skipped: ..." when the predicted cache does not fit, "oom" when it ran out anyway)."""
+    runner = _Runner(model)
+    device = runner.device
+    # Warm-up: first calls pay for lazy init, kernel selection and allocator growth.
+    token, cache = runner.prefill(torch.zeros(1, 16, dtype=torch.long, device=device))
+    runner.decode(token, cache, 2)
+    fixed, per_token = runner.cache_per_token()
+    del token, cache
+    points = []
+    grid = [(c, b) for c in contexts for b in batch_sizes]
+    bar = tqdm(grid, desc=f"bench {name}", unit="pt", disable=not progress)
+    for context, batch in bar:
+        bar.set_postfix_str(f"ctx={context} B={batch}")
+        point: dict[str, Any] = {"model": name, "context": context, "batch": batch, "decode_tokens": decode_tokens}
+        predicted = batch * (fixed + per_token * (context + decode_tokens))
+        if 1.5 * predicted > _free_bytes(device):
+            point["status"] = f"skipped: predicted cache {predicted / MiB:.0f} MiB does not fit in free memory"
+            log.warning("%s ctx=%d B=%d %s", name, context, batch, point["status"])
+            points.append(point)
+            continue
+        ids = torch.randint(
+            0, runner.vocab, (batch, context), generator=torch.Generator().manual_seed(seed + context + batch)
+        ).to(device)
+        try:
+            with PeakMemory(device) as mem:
+                _sync(device)
+                t0 = time.perf_counter()
+                token, cache = runner.prefill(ids)
+                _sync(device)
+                t1 = time.perf_counter()
+                cache = runner.decode(token, cache, decode_tokens)
+                _sync(device)
+                t2 = time.perf_counter()
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+            if (
+                isinstance(err, RuntimeError)
+                and "can't allocate memory" not in str(err)
+                and "out of memory" not in str(err)
+            ):
+                raise
+            point["status"] = "oom"
+            log.warning("%s ctx=%d B=%d ran out of memory", name, context, batch)
+            points.append(point)
+            continue
+        finally:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        point.update(
+            status="ok",
+            prefill_s=t1 - t0,
+            prefill_tok_s=batch * context / (t1 - t0),
+            decode_s=t2 - t1,
+            decode_tok_s=batch * decode_tokens / (t2 - t1) if decode_tokens else None,
+            peak_mem_bytes=mem.peak_bytes,
+            memory_method=mem.method,
+            cache_bytes=cache_nbytes(cache),
+        )
+        log.debug(
+            "%s ctx=%d B=%d prefill %.2fs decode %.1f tok/s", name, context, batch, t1 - t0, point["decode_tok_s"] or 0
+        )
+        points.append(point)
+        del cache, token, ids
+    return points
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+METRICS = ("prefill_s", "decode_tok_s", "peak_mem_bytes", "cache_bytes")
+
+
+def ratio_rows(student: list[dict[str, Any]], teacher: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Per (context, batch): both models' numbers, speedups (> 1: student faster) and memory ratios
+    student/teacher (< 1: student smaller); None where either side has no measurement."""
+    by_key = {(p["context"], p["batch"]): p for p in teacher or [] if p.get("status") == "ok"}
+    rows = []
+    for s in student:
+        t = by_key.get((s["context"], s["batch"]), {})
+        ok = s.get("status") == "ok"
+        row: dict[str, Any] = {"context": s["context"], "batch": s["batch"], "status": s.get("status")}
+        for key in METRICS:
+            row[f"student_{key}"] = s.get(key) if ok else None
+            row[f"teacher_{key}"] = t.get(key)
+        row["prefill_speedup"] = _ratio(row["teacher_prefill_s"], row["student_prefill_s"])
+        row["decode_speedup"] = _ratio(row["student_decode_tok_s"], row["teacher_decode_tok_s"])
+        row["peak_mem_ratio"] = _ratio(row["student_peak_mem_bytes"], row["teacher_peak_mem_bytes"])
+        row["cache_ratio"] = _ratio(row["student_cache_bytes"], row["teacher_cache_bytes"])
+        rows.append(row)
+    return rows
+
+
+def _fmt(value: float | None, scale: float = 1.0, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value if scale == 1 else value / scale, spec)
+
+
+TABLE_COLUMNS = (
+    # header, row key, scale, format
+    ("ctx", "context", 1, "d"),
+    ("B", "batch", 1, "d"),
+    ("prefill\ns", "student_prefill_s", 1.0, ".2f"),
+    ("prefill\n×", "prefill_speedup", 1.0, ".2f"),
+    ("decode\ntok/s", "student_decode_tok_s", 1.0, ".1f"),
+    ("decode\n×", "decode_speedup", 1.0, ".2f"),
+    ("cache\nMiB", "student_cache_bytes", MiB, ".1f"),
+    ("cache\nS/T", "cache_ratio", 1.0, ".3f"),
+    ("peak\nMiB", "student_peak_mem_bytes", MiB, ".0f"),
+    ("peak\nS/T", "peak_mem_ratio", 1.0, ".2f"),
+)
+
+
+TITLE = "student speed and memory (×: speedup over teacher, S/T: student/teacher)"
+
+
+def render_table(rows: list[dict[str, Any]], title: str = TITLE) -> Any:
+    """A rich Table of `ratio_rows` output; speedups > 1 and memory ratios < 1 favour the student."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for header, *_ in TABLE_COLUMNS:
+        table.add_column(header, justify="right")
+    for r in rows:
+        cells = [_fmt(r[key], scale, spec) for _, key, scale, spec in TABLE_COLUMNS]
+        if r["status"] != "ok":
+            cells[2] = str(r["status"])
+        table.add_row(*cells)
+    return table
+
+
+def plot(points: dict[str, list[dict[str, Any]]], path: Path) -> Path:
+    """PNG with prefill tokens/s, decode tokens/s and memory against context, one line per model and batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = (
+        ("prefill_tok_s", "prefill tokens/s", 1.0),
+        ("decode_tok_s", "decode tokens/s", 1.0),
+        ("cache_bytes", "MiB (solid: cache, dashed: peak)", MiB),
+    )
+    for ax, (key, ylabel, scale) in zip(axes, panels, strict=True):
+        for model, pts in points.items():
+            for batch in sorted({p["batch"] for p in pts}):
+                ok = [p for p in pts if p["batch"] == batch and p.get("status") == "ok" and p.get(key) is not None]
+                if not ok:
+                    continue
+                xs = [p["context"] for p in ok]
+                line = ax.plot(xs, [p[key] / scale for p in ok], marker="o", label=f"{model} B={batch}")[0]
+                if key == "cache_bytes":
+                    ax.plot(xs, [p["peak_mem_bytes"] / scale for p in ok], marker="x", ls="--", color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({p["context"] for pts in points.values() for p in pts}))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """'1024,4096' -> [1024, 4096]; anything else is a one-line error naming the expected form."""
+    try:
+        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"bad --{what} {text!r}: give positive integers separated by commas, e.g. 1024,4096")
+    return values
+
+
+def run_bench(
+    student_dir: str | Path,
+    teacher: str | None = None,
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    decode_tokens: int = 32,
+    device: str = "cpu",
+    skip_teacher: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Bench the student folder (and its teacher) and write `bench.json` + `bench.png` into the folder.
+
+    The teacher defaults to the one the student's config records. Returns the JSON report with
+    `rows` (see `ratio_rows`) and the written `paths`.
+    """
+    from .models import check_device, load, student_config, teacher_spec
+
+    student_config(student_dir)
+    check_device(device)
+    if decode_tokens < 0:
+        raise ValueError(f"bad --decode-tokens {decode_tokens}: give 0 or more")
+    tspec = None if skip_teacher else teacher_spec(student_dir, teacher)
+    dev = torch.device(device)
+    models = {"student": str(student_dir)} | ({"teacher": tspec} if tspec else {})
+    points: dict[str, list[dict[str, Any]]] = {}
+    for role, spec in models.items():
+        model, _, _ = load(spec, device=device, with_tokenizer=False)
+        points[role] = bench_model(model, contexts, batch_sizes, decode_tokens, name=role, progress=progress)
+        del model
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    rows = ratio_rows(points["student"], points.get("teacher"))
+    out = Path(student_dir)
+    report = {
+        "student": str(student_dir),
+        "teacher": tspec,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "contexts": list(contexts),
+        "batch_sizes": list(batch_sizes),
+        "decode_tokens": decode_tokens,
+        "points": points,
+        "rows": rows,
+        "paths": {"json": str(out / "bench.json"), "png": str(out / "bench.png")},
+    }
+    plot(points, out / "bench.png")
+    tmp = out / f".bench.json.{os.getpid()}"
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(out / "bench.json")
+    return report

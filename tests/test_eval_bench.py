@@ -1,0 +1,107 @@
+"""Speed/memory bench on a tiny random model: report files, cache accounting, memory meter, CLI errors.
+No timing assertions: this machine is shared."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from linearize.eval.bench import PeakMemory, bench_model, cache_nbytes, parse_int_list, ratio_rows
+from linearize.eval.cli import bench_main
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8
+
+
+def tiny_config(**extra) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(tiny_config()).save_pretrained(path)
+    return path
+
+
+def kv_bytes(batch: int, tokens: int) -> int:
+    return LAYERS * 2 * batch * KV_HEADS * tokens * HEAD_DIM * 4  # keys + values, fp32
+
+
+def test_cache_nbytes_counts_kv_and_linear_states():
+    cache = DynamicCache(config=tiny_config(layer_types=["linear_attention", "full_attention"]))
+    linear, full = cache.layers
+    linear.update_recurrent_state(torch.zeros(3, KV_HEADS, HEAD_DIM, HEAD_DIM))
+    linear.update_conv_state(torch.zeros(3, 16, 4))
+    full.update(torch.zeros(3, KV_HEADS, 10, HEAD_DIM), torch.zeros(3, KV_HEADS, 10, HEAD_DIM))
+    expected = (3 * KV_HEADS * HEAD_DIM * HEAD_DIM + 3 * 16 * 4 + 2 * 3 * KV_HEADS * 10 * HEAD_DIM) * 4
+    assert cache_nbytes(cache) == expected
+    assert cache_nbytes(DynamicCache()) == 0
+
+
+def test_bench_model_points_and_cache_size(model_dir):
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    points = bench_model(model, contexts=[16, 48], batch_sizes=[1, 3], decode_tokens=3, progress=False)
+    assert [(p["context"], p["batch"]) for p in points] == [(16, 1), (16, 3), (48, 1), (48, 3)]
+    for p in points:
+        assert p["status"] == "ok"
+        assert p["cache_bytes"] == kv_bytes(p["batch"], p["context"] + 3)
+        assert p["prefill_s"] > 0 and p["decode_tok_s"] > 0 and p["peak_mem_bytes"] >= 0
+    rows = ratio_rows(points, points)
+    assert all(r["cache_ratio"] == 1.0 and r["prefill_speedup"] == 1.0 for r in rows)
+    assert ratio_rows(points, None)[0]["decode_speedup"] is None
+
+
+def test_peak_memory_sees_a_large_allocation():
+    with PeakMemory(torch.device("cpu")) as mem:
+        block = torch.ones(16 * 1024 * 1024)  # 64 MiB, touched
+        del block
+    assert mem.peak_bytes >= 60 * 1024 * 1024, mem.method
+
+
+def test_bench_cli_writes_json_and_png(model_dir, capsys):
+    argv = [
+        str(model_dir),
+        "--teacher",
+        str(model_dir),
+        "--contexts",
+        "16,32",
+        "--batch-sizes",
+        "1,2",
+        "--decode-tokens",
+        "2",
+    ]
+    assert bench_main(argv) == 0
+    assert "speedup" in capsys.readouterr().out
+    report = json.loads((model_dir / "bench.json").read_text())
+    assert (model_dir / "bench.png").stat().st_size > 10_000
+    assert report["teacher"] == str(model_dir) and len(report["rows"]) == 4
+    assert set(report["points"]) == {"student", "teacher"}
+    assert all(r["cache_ratio"] == 1.0 for r in report["rows"])
+
+
+def test_bench_cli_input_errors(model_dir, tmp_path, capsys):
+    cases = [
+        ([str(model_dir), "--contexts", "1k,4k"], "bad --contexts"),
+        ([str(model_dir), "--batch-sizes", "0"], "bad --batch-sizes"),
+        ([str(tmp_path / "missing")], "does not exist"),
+        ([str(model_dir)], "pass --teacher"),
+    ]
+    for argv, message in cases:
+        assert bench_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("linearize bench: error: ") and message in err and err.count("\n") == 1
+    assert parse_int_list("1024, 4096", "contexts") == [1024, 4096]
