@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     except StageInterrupted as err:
         print(f"linearize: {err}", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, FileExistsError, NonFiniteLoss) as err:
-        print(f"linearize: error: {err}", file=sys.stderr)
+    except (ValueError, OSError, NonFiniteLoss) as err:  # OSError: also a hub id that cannot be fetched
+        print(f"linearize: error: {' '.join(str(err).split())}", file=sys.stderr)  # always one line
         return 2
 
 

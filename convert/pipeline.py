@@ -157,9 +157,13 @@ def plot_losses(results: list[StageResult], path: Path) -> Path | None:
 class WorkDir:
     """The resumable state of one run: fingerprint, measured numbers, stage checkpoints."""
 
-    def __init__(self, path: Path, fingerprint: str, overwrite: bool):
+    def __init__(self, path: Path, fingerprint: str, overwrite: bool, writer: bool = True):
         self.path = path
+        self.writer = writer  # False: another process (the main one) prepared the folder and owns run.json
         meta = path / "run.json"
+        if not writer:
+            self.meta, self.state = meta, json.loads(meta.read_text())
+            return
         if meta.is_file():
             saved = json.loads(meta.read_text())
             if saved.get("fingerprint") != fingerprint:
@@ -183,6 +187,8 @@ class WorkDir:
         self.save()
 
     def save(self) -> None:
+        if not self.writer:
+            return
         tmp = self.meta.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.state, indent=1))
         tmp.replace(self.meta)
@@ -207,7 +213,8 @@ def convert(
     if output is not None:
         output = Path(output).expanduser().resolve()
         check_output(output, overwrite)
-    spec = teacher if isinstance(teacher, str) else recipe.model
+    # A model in memory is named by where it was loaded from, not by the recipe's (default) model.
+    spec = teacher if isinstance(teacher, str) else getattr(teacher.config, "_name_or_path", "") or "in-memory model"
     if isinstance(teacher, str):
         teacher, tokenizer, resolved = load_model(teacher, dtype=_default_dtype(recipe, accelerator.device))
     else:
@@ -220,11 +227,16 @@ def convert(
         p.requires_grad_(False)
 
     work = None
+    main = accelerator.is_main_process
     if output is not None:
         wd = Path(work_dir) if work_dir else output.parent / f".{output.name}.work"
-        work = WorkDir(wd, _fingerprint(recipe, spec), overwrite)
+        # Only the main process creates, checks or discards the work folder; the others read it after.
+        if main:
+            work = WorkDir(wd, _fingerprint(recipe, spec), overwrite)
+        accelerator.wait_for_everyone()
+        if not main:
+            work = WorkDir(wd, _fingerprint(recipe, spec), overwrite, writer=False)
     work_path = None if work is None else work.path
-    main = accelerator.is_main_process
     n_layers = teacher.config.num_hidden_layers
     settings = recipe.linear_attention()
     window = settings["window"]

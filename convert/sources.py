@@ -71,6 +71,8 @@ def resolve(spec: str) -> ModelSource:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{spec!r} has no config.json: point --model at a Hugging Face model directory")
         return ModelSource(spec, "local", str(path))
+    if spec.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model folder {spec!r} not found: check the path")
     names = short_names()
     if spec in names:
         return resolve(names[spec])

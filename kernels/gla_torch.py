@@ -43,7 +43,9 @@ def gla_parallel(
     """Masked quadratic form, O(T^2 K) memory: the ground truth the other forms are tested against."""
     B, HQ, T, K = q.shape
     H = k.shape[1]
-    g = torch.zeros_like(k) if g is None else g.expand_as(k)
+    dtype, acc = q.dtype, _accumulator(q.dtype)
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    g = torch.zeros_like(k) if g is None else g.to(acc).expand_as(k)
     b = g.cumsum(-2)
     qg = _group(q, H) * scale
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
@@ -53,9 +55,10 @@ def gla_parallel(
     o = scores @ v.unsqueeze(2)
     final = torch.einsum("bhsk,bhsv->bhkv", k * (b[:, :, -1:] - b).exp(), v)
     if initial_state is not None:
+        initial_state = initial_state.to(acc)
         o = o + (qg * b.exp().unsqueeze(2)) @ initial_state.unsqueeze(2)
         final = final + b[:, :, -1].exp().unsqueeze(-1) * initial_state
-    return o.reshape(B, HQ, T, -1), final
+    return o.reshape(B, HQ, T, -1).to(dtype), final
 
 
 def gla_recurrent(
@@ -91,51 +94,58 @@ def gla_chunked(
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk-parallel form, linear in T: matmuls inside chunks, one cheap state scan across them."""
+    """Chunk-parallel form, linear in T: matmuls inside chunks, one cheap state scan across them.
+
+    A group's query heads are stacked as the rows of one chunk ([B, H, N, G*C, K]), so every matmul
+    is a plain batched one: broadcasting K/V over the group would make matmul copy them.
+    """
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
+    G = HQ // H
     C = max(SUB_CHUNK, chunk_size - chunk_size % SUB_CHUNK)
     dtype, acc = q.dtype, _accumulator(q.dtype)
     pad = (-T) % C
-    q, k, v = (torch.nn.functional.pad(x.to(acc), (0, 0, 0, pad)) for x in (q, k, v))
-    g = torch.zeros_like(k[..., :1]) if g is None else torch.nn.functional.pad(g.to(acc), (0, 0, 0, pad))
     N = (T + pad) // C
-    q = _group(q, H).reshape(B, H, -1, N, C, K) * scale
-    k, g = k.view(B, H, N, C, K), g.view(B, H, N, C, g.shape[-1])
-    v = v.view(B, H, N, C, V)
-    b = g.cumsum(-2)
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        """[B, H', T, D] -> [B, H', N, C, D] in the accumulator dtype, zero-padded to whole chunks."""
+        x = x.to(acc)
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        return x.view(*x.shape[:2], N, C, x.shape[-1])
+
+    q = (chunks(q) * scale).view(B, H, G, N, C, K).transpose(2, 3).contiguous()
+    k, v = chunks(k), chunks(v)
+    b = (k.new_zeros(B, H, N, C, 1) if g is None else chunks(g)).cumsum(-2)
 
     # Chunk states: each chunk's own contribution, then a scan that carries the state across chunks.
     b_last = b[:, :, :, -1:]
     local = (k * (b_last - b).exp()).transpose(-1, -2) @ v
-    chunk_decay = b_last.squeeze(-2).exp().unsqueeze(-1)
+    chunk_decay = b_last.transpose(-1, -2).exp()
     state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
     entering = []
     for n in range(N):
         entering.append(state)
         state = chunk_decay[:, :, n] * state + local[:, :, n]
-    o = (q * b.exp().unsqueeze(2)) @ torch.stack(entering, dim=2).unsqueeze(2)
+    o = ((q * b.exp().unsqueeze(3)).view(B, H, N, G * C, K) @ torch.stack(entering, dim=2)).view(B, H, N, G, C, V)
 
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    if g.shape[-1] == 1:
-        diff = b[..., :, None, 0] - b[..., None, :, 0]
+    if b.shape[-1] == 1:
+        # One decay per head: the in-chunk decay matrix itself, the future masked before exponentiating.
+        diff = b - b.transpose(-1, -2)
         decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
-        scores = (q @ k.unsqueeze(2).transpose(-1, -2)) * decay.unsqueeze(2)
-        o = o + scores @ v.unsqueeze(2)
-        return o.reshape(B, HQ, N * C, V)[:, :, :T].to(dtype), state
-
-    # Inside a chunk: one reference point per query sub-chunk (its first position) keeps every
-    # exponent in range; keys after the sub-chunk are masked before exponentiating.
-    m, c = C // SUB_CHUNK, SUB_CHUNK
-    b_sub = b.view(B, H, N, m, c, K)
-    ref = b_sub[:, :, :, :, :1]  # [B, H, N, m, 1, K]
-    q_sub = q.view(B, H, -1, N, m, c, K) * (b_sub - ref).exp().unsqueeze(2)
-    visible = torch.arange(C, device=q.device)[None, :] < (torch.arange(m, device=q.device)[:, None] + 1) * c
-    key_exp = ref - b.unsqueeze(3)  # [B, H, N, m, C, K]
-    key_exp = key_exp.masked_fill(~visible[:, :, None], float("-inf"))
-    k_sub = k.unsqueeze(3) * key_exp.exp()
-    scores = q_sub @ k_sub.unsqueeze(2).transpose(-1, -2)  # [B, H, G, N, m, c, C]
-    scores = scores.masked_fill(~causal.view(m, c, C), 0.0)
-    o = o + (scores @ v.unsqueeze(2).unsqueeze(4)).reshape(o.shape)
-    o = o.reshape(B, HQ, N * C, V)[:, :, :T]
+        scores = (q.view(B, H, N, G * C, K) @ k.transpose(-1, -2)).view(B, H, N, G, C, C) * decay.unsqueeze(3)
+        o = o + (scores.view(B, H, N, G * C, C) @ v).view(B, H, N, G, C, V)
+    else:
+        # Per key channel: one reference point per query sub-chunk keeps every exponent in range.
+        for start in range(0, C, SUB_CHUNK):
+            end = start + SUB_CHUNK
+            ref = b[:, :, :, start : start + 1]
+            qi = q[:, :, :, :, start:end] * (b[:, :, :, start:end] - ref).exp().unsqueeze(3)
+            ki = k[:, :, :, :end] * (ref - b[:, :, :, :end]).exp()
+            scores = (qi.view(B, H, N, G * SUB_CHUNK, K) @ ki.transpose(-1, -2)).view(B, H, N, G, SUB_CHUNK, end)
+            scores = scores.masked_fill(~causal[start:end, :end], 0.0)
+            part = scores.view(B, H, N, G * SUB_CHUNK, end) @ v[:, :, :, :end]
+            o[:, :, :, :, start:end] += part.view(B, H, N, G, SUB_CHUNK, V)
+    o = o.transpose(2, 3).reshape(B, HQ, N * C, V)[:, :, :T]
     return o.to(dtype), state

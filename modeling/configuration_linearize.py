@@ -88,6 +88,9 @@ class LinearizeConfig(PretrainedConfig):
         self.sliding_window = window + 1 if window else None
         # Linear layers keep two states: the (key x value) memory and, for Performer, the key stabilizer.
         self.number_of_conv_states = 2
+        # Our check first: transformers' own layer_types validator (in super().__init__) raises a
+        # non-ValueError listing layer types this model cannot build.
+        self.validate_layers()
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -95,7 +98,6 @@ class LinearizeConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
-        self.validate_layers()
 
     def validate_layers(self) -> None:
         """Fail early, with the fix, on a layer plan the model cannot build."""
@@ -107,6 +109,14 @@ class LinearizeConfig(PretrainedConfig):
         if bad:
             raise ValueError(f"unknown layer types {bad}: use {list(LAYER_TYPES)}")
         settings = self.linear_attention
+        unknown = sorted(set(settings) - set(LINEAR_ATTENTION_DEFAULTS))
+        if unknown:
+            raise ValueError(
+                f"unknown linear_attention settings {unknown}: valid keys are {sorted(LINEAR_ATTENTION_DEFAULTS)}"
+            )
+        window = settings["window"]
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"linear_attention.window={window!r}: use a non-negative integer (0 = no window)")
         if settings["kind"] not in ("gla", "performer"):
             raise ValueError(f"linear_attention.kind={settings['kind']!r}: use 'gla' or 'performer'")
         if settings["feature_map"] not in ("hedgehog", "elu", "identity", "performer"):
@@ -117,6 +127,8 @@ class LinearizeConfig(PretrainedConfig):
             raise ValueError("performer attention needs feature_map='performer' and normalize=true")
         if settings["gate"] not in ("lowrank", "key", "none"):
             raise ValueError(f"linear_attention.gate={settings['gate']!r}: use lowrank, key or none")
+        if settings["kind"] == "gla" and settings["feature_map"] == "performer" and settings["gate"] != "none":
+            raise ValueError("performer features carry their own stabilizer decay: use gate='none' with them")
         if settings["window"] and not settings["normalize"]:
             raise ValueError("a softmax window needs normalize=true: the window and the linear part share one normalizer")
         if "hybrid_sliding" in self.layer_types and not settings["window"]:

@@ -56,6 +56,8 @@ class LinearizeRotaryEmbedding(nn.Module):
     def __init__(self, config: LinearizeConfig):
         super().__init__()
         self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings  # read by dynamic_rope_update ("dynamic" RoPE)
+        self.original_max_seq_len = config.max_position_embeddings  # read by "longrope"
         self.rope_type = config.rope_parameters.get("rope_type", "default")
         init_fn = self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
         inv_freq, self.attention_scaling = init_fn(config)

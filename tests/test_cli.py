@@ -1,0 +1,281 @@
+"""The `linearize` command end to end: a full conversion of a tiny Llama, --help, and every bad input
+answered with exit code 2 and one line on stderr that names the fix."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY_ARGS = ["--seq-len", "32", "--batch-size", "2", "--heldout-tokens", "256", "--max-new-tokens", "5"]
+
+
+# ---- one full conversion, shared by the tests that read its output ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, tiny_llama_dir, cli_env):
+    cwd = tmp_path_factory.mktemp("cli")
+    args = [
+        "--model", str(tiny_llama_dir), "--ratio", "3:1", "--attention", "gla", "--output", "out",
+        "--transfer-tokens", "256", "--finetune-tokens", "256", "--prompt", "The class statement",
+        "--quiet", *TINY_ARGS,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "linearize", *args],
+        cwd=cwd,
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, cwd / "out"
+
+
+def test_conversion_writes_a_complete_export(converted):
+    _, out = converted
+    for name in ("config.json", "model.safetensors", "report.json", "loss.png", "README.md", "tokenizer.json"):
+        assert (out / name).is_file(), name
+    for name in ("modeling_linearize.py", "configuration_linearize.py"):
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_linearize.LinearizeForCausalLM"
+    assert config["auto_map"]["AutoConfig"] == "configuration_linearize.LinearizeConfig"
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert config["linear_attention"]["kind"] == "gla"
+    assert not list(out.glob("*.bin")) and not list(out.glob("*.pt"))  # safetensors only
+    # nothing left behind: no work folder, no staging folder
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
+
+
+def test_report_json(converted):
+    _, out = converted
+    report = json.loads((out / "report.json").read_text())
+    ppl = report["perplexity"]
+    for key in ("teacher", "zero_shot", "student"):
+        assert ppl[key] > 1 and ppl[key] == ppl[key], key  # finite, not NaN
+    assert report["plan"] == "LLLS" and report["layer_types"][3] == "full_attention"
+    assert set(report["stages"]) == {"transfer", "finetune"}
+    for name, stage in report["stages"].items():
+        assert stage["tokens"] >= 256 and stage["steps"] >= 1, name
+        assert stage["final_loss"] is not None and stage["resumed_from"] == 0, name
+    assert set(report["stages"]["transfer"]["layer_mse"]) == {"0", "1", "2"}
+    assert report["heldout_tokens"] == 256
+    assert Path(report["output"]) == out.resolve()
+
+
+def test_loss_plot_is_a_png(converted):
+    _, out = converted
+    raw = (out / "loss.png").read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    image = matplotlib.image.imread(out / "loss.png")
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 300  # two panels side by side
+
+
+def test_model_card(converted):
+    _, out = converted
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\n") and "linear-attention" in card
+    assert "trust_remote_code=True" in card
+    assert "held-out perplexity, teacher" in card and "held-out perplexity, student" in card
+    assert "3 of 4 attention layers are linear" in card
+
+
+def test_stdout_shows_the_table_and_the_sample(converted):
+    proc, _ = converted
+    out = proc.stdout
+    assert "before / after" in out
+    for row in ("held-out perplexity, teacher", "held-out perplexity, student", "transfer tokens", "finetune tokens"):
+        assert row in out, row
+    assert "LLLS" in out
+    assert "sample" in out
+    sample = out[out.index("sample") :].splitlines()[1:]
+    assert any(line.startswith("The class statement") for line in sample)
+    assert "Traceback" not in proc.stderr
+
+
+def test_export_loads_with_remote_code(converted, tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, out = converted
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 9, 12]])).logits
+    assert logits.shape == (1, 4, model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+# ---- --help ---------------------------------------------------------------------------------------
+
+
+def test_help_lists_every_option_group_and_examples(tmp_path):
+    script = Path(sys.executable).parent / "linearize"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "linearize"]
+    proc = subprocess.run([*command, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    for group in ("what to convert", "layer plan", "linear attention", "training", "report"):
+        assert f"{group}:" in text, group
+    for flag in ("--model", "--recipe", "--ratio", "--linear-layers", "--attention", "--transfer-tokens",
+                 "--finetune-tokens", "--work-dir", "--overwrite", "--dataset", "--quiet"):  # fmt: skip
+        assert flag in text, flag
+    assert "examples:" in text and "linearize --model llama --ratio 3:1" in text
+    assert "accelerate launch" in text
+
+
+# ---- bad inputs: exit code 2, one line on stderr ---------------------------------------------------
+
+
+def test_unsupported_architecture_in_a_real_process(run_linearize, tiny_gpt2_dir, tmp_path):
+    proc = run_linearize(["--model", tiny_gpt2_dir, "--output", "out", "--quiet"], cwd=tmp_path, timeout=180)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("linearize: error: unsupported architecture 'gpt2'")
+    assert "Llama-family" in lines[0] and "qwen2" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def cli(linearize_main):
+    return linearize_main
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("linearize: error: "), err
+    return lines[0]
+
+
+BAD = {
+    "malformed ratio": (["--ratio", "3-1"], r"malformed ratio '3-1': use LINEAR:SOFTMAX, e.g. 3:1"),
+    "ratio with no linear layer": (["--ratio", "0:1"], r"ratio '0:1' leaves no layer linear"),
+    "layer index out of range": (["--linear-layers", "0,9"], r"layer index 9 out of range: the model has 4 layers (0-3)"),
+    "empty layer list": (["--linear-layers", ","], "the layer list is empty: name at least one layer"),
+    "malformed layer list": (["--linear-layers", "0,x"], "malformed list '0,x': use comma-separated values"),
+    "unknown recipe": (["--recipe", "smollm3-gla"], "unknown recipe 'smollm3-gla': use a YAML file or one of"),
+    "missing recipe file": (["--recipe", "nope.yaml"], "recipe file 'nope.yaml' not found: check the path"),
+    "missing dataset": (["--dataset", "nope.txt", "--transfer-tokens", "64"], "dataset file 'nope.txt' not found"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_exits_2_with_one_line(case, cli, tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    flags, message = BAD[case]
+    code, _, err = cli("--model", tiny_llama_dir, "--output", "out", "--quiet", "--no-measure", *flags)
+    assert code == 2, err
+    assert message in one_error_line(err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("./no-such-model", "model folder './no-such-model' not found: check the path"),
+        ("missing.gguf", "GGUF file 'missing.gguf' not found: check the path"),
+        ("no-such-short-name", "unknown model 'no-such-short-name': pass a hub id (org/name), a local model directory"),
+        ("not-a-model", "'not-a-model' has no config.json: point --model at a Hugging Face model directory"),
+    ],
+)
+def test_bad_model_spec(model, message, cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "not-a-model" / "weights.bin").write_bytes(b"x")
+    code, _, err = cli("--model", model, "--output", "out", "--quiet")
+    assert code == 2, err
+    assert message in one_error_line(err)
+
+
+def test_unfetchable_hub_model_is_one_line(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: patch the constant
+    code, _, err = cli("--model", "no-such-org/no-such-model", "--output", "out", "--quiet")
+    assert code == 2, err
+    assert "no-such-org/no-such-model" in one_error_line(err) or "huggingface" in one_error_line(err).lower()
+
+
+def test_unsupported_architecture(cli, tiny_gpt2_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli("--model", tiny_gpt2_dir, "--output", "out", "--quiet")
+    assert code == 2
+    assert "unsupported architecture 'gpt2': linearize converts Llama-family models" in one_error_line(err)
+
+
+def test_existing_output_is_left_untouched(cli, tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("precious")
+    code, _, err = cli("--model", tiny_llama_dir, "--output", "out", "--quiet", "--transfer-tokens", "64")
+    assert code == 2
+    line = one_error_line(err)
+    assert "already exists: pass --overwrite or choose another --output" in line and "out" in line
+    assert [p.name for p in out.iterdir()] == ["mine.txt"] and (out / "mine.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no work folder either
+
+
+def test_overwrite_replaces_an_existing_output(cli, tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("old")
+    code, stdout, err = cli(
+        "--model", tiny_llama_dir, "--output", "out", "--overwrite", "--quiet", "--no-measure",
+        "--transfer-tokens", "0", "--finetune-tokens", "0", "--max-new-tokens", "0", "--linear-layers", "1,2",
+    )  # fmt: skip
+    assert code == 0, err
+    assert not (out / "mine.txt").exists()
+    assert (out / "config.json").is_file() and (out / "report.json").is_file()
+    assert json.loads((out / "report.json").read_text())["plan"] == "SLLS"
+    assert "exported" in stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_corrupt_checkpoint_names_the_file(cli, tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "transfer.safetensors").write_bytes(b"this is not a safetensors file" * 10)
+    code, _, err = cli(
+        "--model", tiny_llama_dir, "--output", "out", "--work-dir", "work", "--quiet", "--no-measure",
+        "--transfer-tokens", "128", "--finetune-tokens", "0", *TINY_ARGS,
+    )  # fmt: skip
+    assert code == 2
+    line = one_error_line(err)
+    assert "checkpoint work/transfer.safetensors is corrupt" in line
+    assert "delete it to restart this stage" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_run_does_not_block_the_corrected_one(cli, tiny_llama_dir, tmp_path, monkeypatch):
+    """A typo that fails before any checkpoint must not leave a work folder that refuses the fixed command."""
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", tiny_llama_dir, "--output", "out", "--quiet", "--no-measure", "--max-new-tokens", "0"]
+    code, _, err = cli(*common, "--linear-layers", "0,7")
+    assert code == 2 and "out of range" in err
+    code, _, err = cli(*common, "--linear-layers", "0,1", "--transfer-tokens", "0", "--finetune-tokens", "0")
+    assert code == 0, err
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_no_model_and_no_recipe(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli("--quiet")
+    assert code == 2
+    assert "nothing to convert: pass --model" in one_error_line(err)
+
+
+def test_argparse_errors_exit_2(cli):
+    with pytest.raises(SystemExit) as exc:
+        cli("--model", "llama", "--attention", "mamba")
+    assert exc.value.code == 2
+

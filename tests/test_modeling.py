@@ -1,0 +1,638 @@
+"""The hybrid model (issue 2): equal forms, cached generation, a cache that does not grow, swaps, errors.
+
+Everything here runs on tiny random configs (hidden 32, 4 heads / 2 KV heads, vocab 128) in fp32
+on one CPU thread; the embedded 135M model is only used by test_export.py and test_performer.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_tiny_linearize
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+)
+
+from linearize.convert.swap import check_supported, linearize_model
+from linearize.modeling.configuration_linearize import LinearizeConfig
+from linearize.modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM, repeat_kv
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+LIN, FULL, HYB = "linear_attention", "full_attention", "hybrid_sliding"
+VOCAB = 128
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+@torch.no_grad()
+def randomize_new_parameters(model: LinearizeForCausalLM, seed: int = 0) -> None:
+    """Give the linear layers' own parameters non-trivial values, so the test exercises them.
+
+    The low-rank gate gets log-decays spread from ~0 down past the MIN_LOG_DECAY clamp (decays
+    vary per token, head and channel), Hedgehog maps move off identity, window mixes off 0.5.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(p: torch.Tensor) -> torch.Tensor:
+        return torch.randn(p.shape, generator=gen, dtype=p.dtype)
+
+    for module in model.modules():
+        if not isinstance(module, LinearAttention):
+            continue
+        if module.gate is not None:
+            module.gate.up.weight.copy_(rand(module.gate.up.weight) * 2.0)
+            module.gate.up.bias.copy_(torch.rand(module.gate.up.bias.shape, generator=gen) * -100.0 + 10.0)
+        for name in ("feature_map_q", "feature_map_k"):
+            fmap = getattr(module, name, None)
+            if fmap is not None:
+                fmap.weight.add_(rand(fmap.weight) * 0.3)
+                fmap.bias.copy_(rand(fmap.bias) * 0.3)
+        if hasattr(module, "window_factor"):
+            module.window_factor.copy_(rand(module.window_factor))
+
+
+def make_model(layer_types, linear_attention, seed: int = 0, **overrides) -> LinearizeForCausalLM:
+    model = make_tiny_linearize(layer_types, linear_attention, seed=seed, **overrides)
+    randomize_new_parameters(model, seed)
+    return model
+
+
+def set_form(model: torch.nn.Module, form: str | None) -> None:
+    for module in model.modules():
+        if isinstance(module, LinearAttention):
+            module.form = form
+
+
+def forward_backward(model, ids, mask, weights, form):
+    """Logits and the gradients of a fixed random projection of them, with every linear layer in `form`."""
+    set_form(model, form)
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, attention_mask=mask, use_cache=False).logits
+    (logits * weights).sum().backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    set_form(model, None)
+    return logits.detach(), grads
+
+
+def assert_forms_equal(model, ids, mask=None, forms=("chunk", "recurrent")):
+    valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    gen = torch.Generator().manual_seed(1)
+    weights = torch.randn(*ids.shape, VOCAB, generator=gen) * valid[..., None]
+    ref_logits, ref_grads = forward_backward(model, ids, mask, weights, "parallel")
+    assert torch.isfinite(ref_logits[valid]).all()
+    # every parameter takes part: the new ones (gates, feature maps, window mix) included
+    missing = [name for name, p in model.named_parameters() if name not in ref_grads]
+    assert not missing, f"no gradient reaches {missing}"
+    for form in forms:
+        logits, grads = forward_backward(model, ids, mask, weights, form)
+        torch.testing.assert_close(logits[valid], ref_logits[valid], rtol=1e-5, atol=1e-5, msg=lambda m: f"{form}: {m}")
+        assert grads.keys() == ref_grads.keys()
+        for name, ref in ref_grads.items():
+            scale = max(1.0, ref.abs().max().item())
+            torch.testing.assert_close(
+                grads[name], ref, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{form}, grad of {name}: {m}"
+            )
+
+
+def left_padded(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenizer-free left padding: (input_ids, attention_mask)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = row
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def random_ids(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(2, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. the three forms compute the same thing, forward and backward
+
+FORM_CASES = {
+    "gla-hedgehog-lowrank": ([LIN, FULL, LIN], {"gate": "lowrank", "chunk_size": 16}),
+    "gla-hedgehog-lowrank-window4": ([HYB, FULL, HYB], {"gate": "lowrank", "window": 4, "chunk_size": 16}),
+    "gla-hedgehog-key-window8-chunk32": ([HYB, LIN], {"gate": "key", "window": 8, "chunk_size": 32}),
+    "gla-elu-key-window8": ([HYB, LIN], {"feature_map": "elu", "gate": "key", "window": 8, "chunk_size": 16}),
+    "gla-elu-nogate": ([LIN, LIN], {"feature_map": "elu", "gate": "none", "chunk_size": 16}),
+    "gla-identity-unnormalized-lowrank": (
+        [LIN, FULL],
+        {"feature_map": "identity", "normalize": False, "gate": "lowrank", "chunk_size": 16},
+    ),
+    "gla-identity-unnormalized-nogate": (
+        [LIN, LIN],
+        {"feature_map": "identity", "normalize": False, "gate": "none", "chunk_size": 32},
+    ),
+    "performer": ([LIN, FULL], {"kind": "performer", "feature_map": "performer", "chunk_size": 16}),
+    "performer-window4": (
+        [HYB, HYB],
+        {"kind": "performer", "feature_map": "performer", "feature_dim": 48, "window": 4, "chunk_size": 16},
+    ),
+}
+
+
+@pytest.mark.parametrize("T", [1, 7, 37, 70])
+@pytest.mark.parametrize("case", list(FORM_CASES))
+def test_forms_equal(case, T):
+    """parallel == chunk == recurrent (logits and all parameter gradients), batch 2, GQA, odd lengths."""
+    layer_types, settings = FORM_CASES[case]
+    model = make_model(layer_types, settings, seed=T)
+    assert_forms_equal(model, random_ids(2, T, seed=T))
+
+
+@pytest.mark.parametrize("case", list(FORM_CASES))
+def test_forms_equal_with_left_padding(case):
+    """Same, with a left-padded batch (padding longer than the window and than a chunk) and the default form."""
+    layer_types, settings = FORM_CASES[case]
+    model = make_model(layer_types, settings, seed=3)
+    ids, mask = left_padded([random_ids(37, seed=1), random_ids(9, seed=2), random_ids(20, seed=3)])
+    assert_forms_equal(model, ids, mask, forms=("chunk", "recurrent", None))
+
+
+def test_decays_really_vary():
+    """The form tests' gates are not trivial: decays span from ~1 down to the clamp, per token and channel."""
+    model = make_model([LIN, FULL, LIN], FORM_CASES["gla-hedgehog-lowrank"][1])
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    hidden = layer.input_layernorm(model.model.embed_tokens(random_ids(2, 37)))  # what the gate sees
+    g = attn.gate(hidden)
+    assert g.shape == (2, 2, 37, 2 * attn.head_dim)
+    assert g.max() > -0.01 and g.min() <= -4.99
+    assert g.std(dim=2).mean() > 0.1  # varies over time
+    assert g.std(dim=-1).mean() > 0.1  # varies over channels
+
+
+def dense_linear_attention(layer: LinearAttention, hidden: torch.Tensor, q, k, v) -> torch.Tensor:
+    """The layer's math written out densely (no chunks, no states): o_i = sum_j A_ij v_j / sum_j A_ij.
+
+    A key j enters the decaying state when it leaves the window (step j + W) and is decayed by every
+    later step: A_ij = (1 - w) phi(q_i).(phi(k_j) * exp(b_i - b_{j+W})) for j <= i - W; the last W
+    keys get w * exp(q_i.k_j / sqrt(D) - c_i) with c_i their max score (LoLCATs); w = sigmoid(window_factor).
+    """
+    groups, W = layer.num_key_value_groups, layer.window
+    T = q.shape[2]
+    g = layer._decay(hidden, k)
+    fq, fk = layer._query_features(q), layer._key_features(k)
+    b = torch.zeros_like(fk) if g is None else g.to(fk.dtype).expand_as(fk).contiguous()
+    b = repeat_kv(b.cumsum(2), groups)
+    fk, k, v = repeat_kv(fk, groups), repeat_kv(k, groups), repeat_kv(v, groups)
+    entered = b[:, :, (torch.arange(T) + W).clamp(max=T - 1)]  # b at the step key j enters the state
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    decay = torch.exp(b[:, :, :, None, :] - entered[:, :, None, :, :])
+    linear = torch.einsum("bhif,bhjf,bhijf->bhij", fq, fk, decay).masked_fill(~(j <= i - W), 0.0)
+    if layer.map_name == "identity":
+        linear = linear * layer.scaling
+    if not layer.normalize:
+        return linear @ v
+    if W:
+        scores = (q @ k.transpose(-1, -2)) * layer.scaling
+        scores = scores.masked_fill(~((j <= i) & (j > i - W)), float("-inf"))
+        window = torch.exp(scores - scores.amax(-1, keepdim=True))
+        w = torch.sigmoid(layer.window_factor)[None, :, None, None]
+        weights = (1 - w) * linear + w * window
+    else:
+        weights = linear
+    return (weights @ v) / weights.sum(-1, keepdim=True)
+
+
+DENSE_CASES = {
+    "hedgehog-lowrank": ([LIN], {"gate": "lowrank"}),
+    "hedgehog-lowrank-window4": ([HYB], {"gate": "lowrank", "window": 4}),
+    "elu-key-window8": ([HYB], {"feature_map": "elu", "gate": "key", "window": 8}),
+    "elu-nogate-window4": ([HYB], {"feature_map": "elu", "gate": "none", "window": 4}),
+    "identity-unnormalized-lowrank": ([LIN], {"feature_map": "identity", "normalize": False}),
+}
+
+
+@pytest.mark.parametrize("form", ["parallel", "chunk", "recurrent"])
+@pytest.mark.parametrize("case", list(DENSE_CASES))
+@torch.no_grad()
+def test_linear_layer_matches_dense_math(case, form):
+    """An independent check of what the forms agree on: decays, window hand-over, mixing, GQA (fp32)."""
+    layer_types, settings = DENSE_CASES[case]
+    model = make_model(layer_types, {**settings, "chunk_size": 16}, seed=9)
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    attn.form = form
+    ids = random_ids(2, 37, seed=9)
+    hidden = layer.input_layernorm(model.model.embed_tokens(ids))
+    position_embeddings = model.model.rotary_emb(hidden, torch.arange(37)[None])
+    got = attn(hidden, position_embeddings)
+    q, k, v = attn.project(hidden, position_embeddings)
+    expected = dense_linear_attention(attn, hidden, q, k, v)
+    expected = attn.o_proj(expected.transpose(1, 2).reshape(2, 37, -1))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("gate", ["lowrank", "key"])
+@torch.no_grad()
+def test_parallel_form_runs_in_other_dtypes(gate, dtype):
+    """The gates return fp32 log-decays; the parallel reference must accept them next to fp64/bf16 q, k, v."""
+    model = make_model([LIN, FULL], {"gate": gate, "chunk_size": 16}).to(dtype)
+    ids = random_ids(2, 37)
+    set_form(model, "chunk")
+    chunk = model(ids, use_cache=False).logits.float()
+    set_form(model, "parallel")
+    parallel = model(ids, use_cache=False).logits.float()
+    tol = 1e-9 if dtype == torch.float64 else 5e-2
+    torch.testing.assert_close(parallel, chunk, rtol=tol, atol=tol)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. cached generation
+
+PLANS = {
+    "linear": ([LIN, FULL, LIN], {"chunk_size": 16}),
+    "hybrid_sliding": ([HYB, FULL, HYB], {"window": 4, "chunk_size": 16}),
+    "all_linear": ([LIN, LIN, LIN], {"chunk_size": 16}),
+    "all_hybrid_performer": ([HYB, HYB, HYB], {"kind": "performer", "feature_map": "performer", "window": 4}),
+}
+PROMPT = 21  # > RECURRENT_MAX_TOKENS (prefill takes the chunked path), > window, not a multiple of the chunk
+NEW = 24
+
+
+@pytest.fixture(params=list(PLANS), scope="module")
+def plan_model(request):
+    layer_types, settings = PLANS[request.param]
+    return make_model(layer_types, settings, seed=7)
+
+
+@torch.no_grad()
+def greedy_by_recomputation(model, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Greedy decoding that recomputes the whole sequence every step (no cache)."""
+    seq, all_logits = ids, []
+    for _ in range(steps):
+        logits = model(seq, use_cache=False).logits[:, -1]
+        all_logits.append(logits)
+        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=-1)
+    return seq[:, ids.shape[1] :], all_logits
+
+
+@torch.no_grad()
+def test_greedy_cached_equals_recomputation(plan_model):
+    ids = random_ids(1, PROMPT, seed=11)
+    out = plan_model.generate(
+        ids, max_new_tokens=NEW, do_sample=False, use_cache=True, output_logits=True, return_dict_in_generate=True
+    )
+    expected, expected_logits = greedy_by_recomputation(plan_model, ids, NEW)
+    assert out.sequences[0, PROMPT:].tolist() == expected[0].tolist()
+    for step, (got, want) in enumerate(zip(out.logits, expected_logits, strict=True)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")
+    uncached = plan_model.generate(ids, max_new_tokens=NEW, do_sample=False, use_cache=False)
+    assert uncached[0, PROMPT:].tolist() == expected[0].tolist()
+
+
+@torch.no_grad()
+def test_sampling_gives_valid_seeded_tokens(plan_model):
+    ids = random_ids(2, PROMPT, seed=12)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(1234)
+        out = plan_model.generate(
+            ids, max_new_tokens=NEW, do_sample=True, top_k=5, output_logits=True, return_dict_in_generate=True
+        )
+        runs.append(out)
+    new = runs[0].sequences[:, PROMPT:]
+    assert new.shape == (2, NEW)
+    assert torch.equal(new, runs[1].sequences[:, PROMPT:]), "same seed, different samples"
+    assert ((new >= 0) & (new < VOCAB)).all()
+    for step, logits in enumerate(runs[0].logits):
+        top = logits.topk(5, dim=-1).indices
+        assert (top == new[:, step : step + 1]).any(-1).all(), f"step {step}: sampled a token outside the top 5"
+
+
+@torch.no_grad()
+def test_left_padded_batch_equals_rows_alone(plan_model):
+    rows = [random_ids(PROMPT, seed=21), random_ids(6, seed=22), random_ids(13, seed=23)]
+    ids, mask = left_padded(rows)
+    batch = plan_model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    for i, row in enumerate(rows):
+        alone = plan_model.generate(row[None], max_new_tokens=16, do_sample=False)
+        assert batch[i, ids.shape[1] :].tolist() == alone[0, len(row) :].tolist(), f"row {i} (length {len(row)})"
+
+
+@torch.no_grad()
+def test_prefill_in_pieces_equals_one_pass(plan_model):
+    """A cache continued by a long chunk (chunked form from a state, window across the seam), then a token."""
+    ids = random_ids(2, 51, seed=31)
+    full = plan_model(ids, use_cache=False).logits
+    cache = DynamicCache(config=plan_model.config)
+    pieces = []
+    for start, end in [(0, 20), (20, 50), (50, 51)]:
+        mask = torch.ones(2, end, dtype=torch.long)
+        out = plan_model(ids[:, start:end], attention_mask=mask, cache=cache, use_cache=True)
+        cache = out.cache
+        pieces.append(out.logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_all_linear_continuation_needs_positions():
+    model = make_model([LIN, LIN], {"chunk_size": 16})
+    cache = DynamicCache(config=model.config)
+    model(random_ids(1, 5), cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="attention_mask or position_ids"):
+        model(random_ids(1, 1), cache=cache, use_cache=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. the cache of linear layers does not grow
+
+
+def recurrent_bytes(layer) -> int:
+    states = getattr(layer, "recurrent_states", {}) or {}
+    return sum(t.numel() * t.element_size() for t in states.values() if isinstance(t, torch.Tensor))
+
+
+def kv_bytes(layer) -> int:
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if not isinstance(keys, torch.Tensor) or keys.numel() == 0:
+        return 0
+    return keys.numel() * keys.element_size() + values.numel() * values.element_size()
+
+
+@pytest.mark.parametrize("kind", ["gla", "performer"])
+@torch.no_grad()
+def test_cache_does_not_grow(kind):
+    window = 4
+    settings = {"window": window, "chunk_size": 16}
+    if kind == "performer":
+        settings.update(kind="performer", feature_map="performer")
+    model = make_model([LIN, HYB, FULL], settings, seed=5)
+    prompt = random_ids(1, 9, seed=41)
+    caches = {}
+    for n in (10, 1000):
+        out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, return_dict_in_generate=True)
+        assert out.sequences.shape[1] == 9 + n
+        caches[n] = out.cache
+    short, long = caches[10].layers, caches[1000].layers
+    # layer 0: linear -> a fixed-size state, no KV at all
+    assert type(long[0]) is LinearAttentionLayer
+    assert recurrent_bytes(short[0]) == recurrent_bytes(long[0]) > 0
+    assert kv_bytes(short[0]) == kv_bytes(long[0]) == 0
+    if kind == "performer":  # the key stabilizer is the second state
+        assert all(isinstance(t, torch.Tensor) for t in long[0].recurrent_states.values())
+    # layer 1: hybrid -> the same fixed state plus a KV window bounded by the window
+    assert isinstance(long[1], LinearAttentionAndSlidingWindowAttentionLayer)
+    assert recurrent_bytes(short[1]) == recurrent_bytes(long[1]) == recurrent_bytes(long[0])
+    assert long[1].keys.shape[2] <= window and short[1].keys.shape[2] <= window
+    assert kv_bytes(short[1]) == kv_bytes(long[1]) > 0
+    # layer 2: softmax -> an ordinary KV cache that grows with every token
+    assert type(long[2]) is DynamicLayer
+    assert long[2].keys.shape[2] == 9 + 1000 - 1
+    assert kv_bytes(long[2]) > 50 * kv_bytes(short[2]) > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. other Llama-family teachers swap exactly
+
+
+def _base(**extra):
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        **extra,
+    )
+
+
+TEACHERS = {
+    "llama-bias-tied": lambda: LlamaForCausalLM(
+        LlamaConfig(**_base(attention_bias=True, mlp_bias=True, tie_word_embeddings=True))
+    ),
+    "qwen2-qkv-bias": lambda: Qwen2ForCausalLM(Qwen2Config(**_base())),
+    "qwen3-qk-norm": lambda: Qwen3ForCausalLM(Qwen3Config(**_base(head_dim=16, attention_bias=True))),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**_base(sliding_window=None))),
+}
+
+
+def make_teacher(name: str):
+    torch.manual_seed(0)
+    teacher = TEACHERS[name]().eval()
+    with torch.no_grad():  # biases and norm weights off their trivial init, so reusing them is tested
+        for pname, p in teacher.named_parameters():
+            if pname.endswith(".bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in pname:
+                p.uniform_(0.5, 1.5)
+    return teacher
+
+
+@pytest.mark.parametrize("name", list(TEACHERS))
+@torch.no_grad()
+def test_all_full_attention_student_equals_teacher(name):
+    teacher = make_teacher(name)
+    before = copy.deepcopy(teacher.state_dict())
+    student = linearize_model(teacher, [FULL] * 3).eval()
+    assert type(student) is LinearizeForCausalLM
+    assert student.config.base_model_type == teacher.config.model_type
+    for key, value in before.items():  # the teacher is untouched and every weight keeps its name
+        assert torch.equal(teacher.state_dict()[key], value)
+        assert torch.equal(student.state_dict()[key], value), key
+    ids, mask = left_padded([random_ids(23, seed=1), random_ids(17, seed=2)])
+    torch.testing.assert_close(student(ids).logits, teacher(ids).logits, rtol=1e-5, atol=1e-5)
+    valid = mask.bool()
+    got = student(ids, attention_mask=mask).logits[valid]
+    torch.testing.assert_close(got, teacher(ids, attention_mask=mask).logits[valid], rtol=1e-5, atol=1e-5)
+    prompt = random_ids(1, 9, seed=3)
+    assert torch.equal(
+        student.generate(prompt, max_new_tokens=8, do_sample=False),
+        teacher.generate(prompt, max_new_tokens=8, do_sample=False),
+    )
+
+
+@pytest.mark.parametrize("name", list(TEACHERS))
+@torch.no_grad()
+def test_partly_linear_student_runs_and_generates(name):
+    teacher = make_teacher(name)
+    student = linearize_model(teacher, [LIN, FULL, HYB], {"window": 4, "chunk_size": 16}).eval()
+    assert isinstance(student.model.layers[0].self_attn, LinearAttention)
+    assert not isinstance(student.model.layers[1].self_attn, LinearAttention)
+    ids = random_ids(1, PROMPT, seed=4)
+    cached = student.generate(ids, max_new_tokens=10, do_sample=False)
+    expected, _ = greedy_by_recomputation(student, ids, 10)
+    assert cached[0, PROMPT:].tolist() == expected[0].tolist()
+
+
+@torch.no_grad()
+def test_transfer_mode_passes_the_teacher_output_on():
+    """Stage 1: linear layers in `transfer` mode output the teacher's softmax result and record their MSE to it."""
+    teacher = make_teacher("llama-bias-tied")
+    student = linearize_model(teacher, [LIN, FULL, HYB], {"window": 4, "chunk_size": 16}).eval()
+    randomize_new_parameters(student)
+    linear = [m for m in student.modules() if isinstance(m, LinearAttention)]
+    for module in linear:
+        module.transfer = True
+    ids, mask = left_padded([random_ids(23, seed=1), random_ids(12, seed=2)])
+    valid = mask.bool()
+    got = student(ids, attention_mask=mask, use_cache=False).logits[valid]
+    torch.testing.assert_close(got, teacher(ids, attention_mask=mask).logits[valid], rtol=1e-5, atol=1e-5)
+    losses = [module.transfer_loss for module in linear]
+    assert all(loss is not None and torch.isfinite(loss) and loss > 0 for loss in losses)
+    for module in linear:
+        module.transfer = False
+    assert not torch.allclose(student(ids, attention_mask=mask).logits[valid], got, atol=1e-3)
+
+
+@pytest.mark.parametrize("plan", ["linear", "hybrid_sliding"])
+@torch.no_grad()
+def test_bfloat16_model_runs_close_to_fp32(plan):
+    layer_types, settings = PLANS[plan]
+    model = make_model(layer_types, settings, seed=7)
+    ids = random_ids(2, 37)
+    reference = model(ids, use_cache=False).logits
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    logits = low(ids, use_cache=False).logits.float()
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, reference, rtol=0.05, atol=0.05)
+    out = low.generate(ids, max_new_tokens=5, do_sample=False)
+    assert out.shape == (2, 42)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "rope_theta": 10000.0,
+        },
+        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16},
+    ],
+    ids=lambda r: r["rope_type"],
+)
+@torch.no_grad()
+def test_rope_variants_are_reused_exactly(rope):
+    """Scaled RoPE of the teacher (longer input than max_position_embeddings for `dynamic`)."""
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(**{**_base(), "max_position_embeddings": 32}, rope_parameters=rope)).eval()
+    student = linearize_model(teacher, [FULL] * 3).eval()
+    ids = random_ids(1, 48)
+    torch.testing.assert_close(student(ids).logits, teacher(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. errors
+
+
+def test_unsupported_architecture_lists_supported_families():
+    teacher = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=64))
+    with pytest.raises(ValueError, match="gpt2") as info:
+        linearize_model(teacher, [FULL, FULL])
+    for family in ("llama", "mistral", "qwen2", "qwen3"):
+        assert family in str(info.value)
+    with pytest.raises(ValueError, match="llama"):
+        check_supported(teacher.config)
+
+
+def tiny_config(layer_types, settings=None) -> LinearizeConfig:
+    return LinearizeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=layer_types,
+        linear_attention=settings,
+    )
+
+
+@pytest.mark.parametrize(
+    "layer_types, pattern",
+    [
+        ([LIN], r"layer_types has 1 entries but the model has 2 layers"),
+        ([LIN, FULL, LIN], r"3 entries"),
+        (
+            ["full", "linear"],
+            r"unknown layer types \['full', 'linear'\].*full_attention.*linear_attention.*hybrid_sliding",
+        ),
+        ([FULL, "sliding_attention"], r"unknown layer types \['sliding_attention'\]"),
+    ],
+)
+def test_bad_layer_types_raise_clear_value_error(layer_types, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        tiny_config(layer_types)
+
+
+def test_bad_layer_plan_through_swap():
+    teacher = make_teacher("qwen2-qkv-bias")
+    with pytest.raises(ValueError, match="layer_types"):
+        linearize_model(teacher, [LIN, FULL])
+
+
+@pytest.mark.parametrize(
+    "layer_types, settings, pattern",
+    [
+        ([LIN, LIN], {"kind": "mamba"}, r"kind='mamba'.*gla.*performer"),
+        ([LIN, LIN], {"feature_map": "rbf"}, r"feature_map='rbf'.*hedgehog, elu, identity or performer"),
+        ([LIN, LIN], {"gate": "sigmoid"}, r"gate='sigmoid'.*lowrank, key or none"),
+        ([LIN, LIN], {"kind": "performer", "feature_map": "elu"}, r"feature_map='performer'"),
+        ([LIN, LIN], {"kind": "performer", "feature_map": "performer", "normalize": False}, r"normalize=true"),
+        ([HYB, LIN], {"window": 4, "normalize": False}, r"window needs normalize=true"),
+        ([HYB, LIN], {}, r"hybrid_sliding layers need linear_attention.window > 0"),
+    ],
+)
+def test_bad_linear_attention_settings_raise(layer_types, settings, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        tiny_config(layer_types, settings)
+
+
+# The following three pin down gaps in the settings validation (see the report of issue 2).
+
+
+def test_unknown_linear_attention_key_is_rejected():
+    """A typo in a setting must not be silently ignored (it would train with the default instead)."""
+    with pytest.raises(ValueError, match="gate_rnk"):
+        tiny_config([LIN, LIN], {"gate_rnk": 4})
+
+
+@pytest.mark.parametrize("window", [-3, 2.5])
+def test_bad_window_value_is_rejected(window):
+    with pytest.raises(ValueError, match="window"):
+        tiny_config([HYB, LIN], {"window": window})
+
+
+def test_gla_gate_with_performer_features_is_used_or_rejected():
+    """kind=gla + feature_map=performer + a gate: the gate must either act or be refused, not be dead weight."""
+    try:
+        config = tiny_config([LIN, LIN], {"kind": "gla", "feature_map": "performer", "gate": "lowrank"})
+    except ValueError:
+        return
+    model = LinearizeForCausalLM(config)
+    model(random_ids(1, 20)).logits.sum().backward()
+    dead = [n for n, p in model.named_parameters() if ".gate." in n and p.grad is None]
+    assert not dead, f"parameters that never affect the output: {dead}"
