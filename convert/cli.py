@@ -19,7 +19,7 @@ EXAMPLES = """examples:
   linearize --model smollm2 --attention performer --recipe smollm2-performer --output out/perf
   linearize --model meta-llama/Llama-3.2-1B --recipe llama-3.2-1b-gla --output out/llama1b
   linearize --model ./my-model --linear-layers 0,1,2,4 --transfer-tokens 100000 --finetune-tokens 0
-  accelerate launch --num_processes 2 -m linearize --model llama --output out/ddp
+  accelerate launch --multi_gpu --num_processes 2 --num_machines 1 -m linearize --model llama --output out/ddp
   linearize eval out/smollm2 --limit 200        linearize bench out/smollm2 --contexts 1024,4096
 """
 

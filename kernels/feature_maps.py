@@ -1,6 +1,8 @@
 """Feature maps phi(.) for linear attention, in plain PyTorch (the reference for any fused kernel).
 
-Inputs are per-head tensors [B, H, T, D]; per-head parameters have a leading H.
+Inputs are per-head tensors [B, H, T, D]; per-head parameters have a leading H. `hedgehog` and
+`performer` run fused Triton kernels where `ops.kernel_backend` says triton (CUDA, or forced by
+LINEARIZE_KERNELS).
 """
 
 from __future__ import annotations
@@ -9,12 +11,27 @@ import math
 
 import torch
 
+from .ops import kernel_backend
+
+try:
+    from .feature_maps_triton import hedgehog_triton, performer_fusable, performer_triton
+
+    HAS_FUSED = True
+except ImportError:
+    HAS_FUSED = False
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return HAS_FUSED and kernel_backend(x.device) == "triton"
+
 
 def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Hedgehog map: softmax over features of +/-(xW + b), so phi(q).phi(k) stays positive and spiky like softmax.
 
     x [B, H, T, D], weight [H, D, F], bias [H, F] -> [B, H, T, 2F].
     """
+    if _fused(x):
+        return hedgehog_triton(x, weight, bias)
     z = torch.einsum("bhtd,hdf->bhtf", x, weight) + bias[:, None, :]
     return torch.cat([z.softmax(-1), (-z).softmax(-1)], dim=-1)
 
@@ -39,6 +56,8 @@ def performer(logits: torch.Tensor, stabilizer: torch.Tensor | None = None) -> t
     Without a stabilizer each token subtracts its own max (exact for queries once the output is
     normalized); keys pass a running max so every key of a sequence shares one scale per step.
     """
+    if _fused(logits) and performer_fusable(logits, stabilizer):
+        return performer_triton(logits, stabilizer)
     if stabilizer is None:
         stabilizer = logits.amax(-1, keepdim=True).detach()
     return (logits - stabilizer).exp() / math.sqrt(logits.shape[-1])

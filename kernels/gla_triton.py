@@ -1,0 +1,690 @@
+"""Gated linear attention in Triton: the chunked form (forward and backward) and a fused decoding step.
+
+Same math, shapes and GQA rule as `gla_torch` (head-first q [B, HQ, T, K], k [B, H, T, K],
+v [B, H, T, V], g [B, H, T, K] or [B, H, T, 1] log-decay <= 0 or None, state [B, H, K, V] fp32).
+
+Numerics: decays are summed within a chunk only (`gc`, chunk-local cumulative log-decay), and every
+exponential the kernels take is of a non-positive number, so nothing overflows whatever the decay:
+- across chunks the state is carried with exp(gc_last) and keys are weighted by exp(gc_last - gc);
+- inside a chunk, 16-token sub-chunks meet through a reference point (the first row of the query
+  sub-chunk forward, the last row of the key sub-chunk backward) that lies between both factors;
+- on the diagonal 16x16 blocks the exponent gc_i - gc_j is formed per pair, masked before exp.
+Unlike the PyTorch chunked form this needs no MIN_LOG_DECAY precondition.
+
+Matmul operands are bf16 when the inputs are bf16 (tensor cores, fp32 accumulation), fp32
+otherwise: tf32 for fp16 inputs or when torch.set_float32_matmul_precision allows it, exact fp32
+else. Under TRITON_INTERPRET=1 everything runs on CPU tensors with fixed launch configurations; on
+CUDA the heavier kernels autotune num_warps / num_stages.
+
+The log-decay gradient needs no sequence-long cumulative sum: dg_t is the sum over r >= t within
+the chunk of dL/dgc_r, and per key channel dL/dgc_r = sum_group q_r dq_r - k_r dk_r, plus, at the
+chunk's last token, the state leaving it: rowsum(h_{n+1} * dh_{n+1}).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # in a try block, which transformers' remote-code import check skips: exported models must load
+    # without triton (ops.py and feature_maps.py catch the ImportError and use PyTorch)
+    import triton
+    import triton.language as tl
+except ImportError:
+    raise
+
+SUB_CHUNK = 16
+
+
+def _interpreting() -> bool:
+    """Triton's own switch: kernels decorated while it is on run in the interpreter (no autotuning there)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _tuned(kernel, key: list[str]):
+    """Autotune launch parameters on real hardware only: the interpreter has no driver to time with."""
+    if _interpreting():
+        return kernel
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (1, 2, 3)]
+    return triton.autotune(configs=configs, key=key)(kernel)
+
+
+@triton.jit
+def _masked_exp(x, mask):
+    """exp(x) where mask holds, exactly 0 elsewhere (never exp of a masked-out, possibly huge, value)."""
+    return tl.exp(tl.where(mask, x, float("-inf")))
+
+
+@triton.jit
+def _and_scalar(mask, cond):
+    """mask & cond for a scalar cond, spelled as a where: the interpreter rejects tensor & scalar masks."""
+    return tl.where(cond, mask, False)
+
+
+@triton.jit
+def _chunk_cumsum_kernel(g, gc, T, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = i_n * BT + tl.arange(0, BT)
+    ck = i_k * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < T) & (ck[None, :] < K)
+    offs = i_bh.to(tl.int64) * T * K + rows[:, None] * K + ck[None, :]
+    x = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(gc + offs, tl.cumsum(x, axis=0), mask=mask)
+
+
+@triton.jit
+def _fwd_state_kernel(
+    k, v, gc, h0, hbuf, ht, T, N, NH, s_ht,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, HAS_H0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Scan over chunks: store the state entering each chunk (hbuf[n]) and the final state (ht)."""
+    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh = i_bh.to(tl.int64)
+    ck = i_k * BK + tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = ck < K, cv < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_offs = ck[:, None] * V + cv[None, :]
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        h += tl.load(h0 + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
+    for n in range(N):
+        tl.store(hbuf + (bh * NH + n) * K * V + kv_offs, h, mask=m_kv)
+        rows = n * BT + tl.arange(0, BT)
+        m_t = rows < T
+        b_k = tl.load(k + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_v = tl.load(v + bh * T * V + rows[:, None] * V + cv[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_k = b_k.to(tl.float32)
+        if USE_G:
+            last = tl.minimum(n * BT + BT, T) - 1
+            g_last = tl.load(gc + bh * T * K + last * K + ck, mask=m_k, other=0.0)
+            b_g = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            h *= tl.exp(g_last)[:, None]
+            b_k *= tl.exp(g_last[None, :] - b_g)
+        h = tl.dot(tl.trans(b_k.to(DT)), b_v.to(DT), h, input_precision=PREC)
+    tl.store(ht + bh * s_ht + kv_offs, h, mask=m_kv)
+
+
+@triton.jit
+def _intra_scores_kernel(
+    q, k, gc, A, scale, T,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, NC: tl.constexpr, USE_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """One BC x BC block of the causal in-chunk score matrix A[i, j] = scale q_i.(k_j exp(gc_i - gc_j))."""
+    i_n, i_c, i_bhq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_i, i_j = i_c // NC, i_c % NC
+    bhq = i_bhq.to(tl.int64)
+    bh = (bhq // (H * G)) * H + (bhq % (H * G)) // G
+    row0 = i_n * BT + i_i * BC
+    col0 = i_n * BT + i_j * BC
+    if row0 >= T:
+        return
+    loc = tl.arange(0, BC)
+    rows, cols = row0 + loc, col0 + loc
+    m_r, m_c = rows < T, cols < T
+    acc = tl.zeros([BC, BC], dtype=tl.float32)
+    if i_i > i_j:
+        for i_k in range(tl.cdiv(K, BK)):
+            ck = i_k * BK + tl.arange(0, BK)
+            m_k = ck < K
+            b_q = tl.load(q + bhq * T * K + rows[:, None] * K + ck[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+            b_k = tl.load(k + bh * T * K + cols[:, None] * K + ck[None, :], mask=m_c[:, None] & m_k[None, :], other=0.0)
+            b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+            if USE_G:
+                g_ref = tl.load(gc + bh * T * K + row0 * K + ck, mask=m_k, other=0.0)
+                g_q = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+                g_k = tl.load(gc + bh * T * K + cols[:, None] * K + ck[None, :], mask=m_c[:, None] & m_k[None, :], other=0.0)
+                b_q *= _masked_exp(g_q - g_ref[None, :], m_r[:, None])
+                b_k *= tl.exp(g_ref[None, :] - g_k)
+            acc = tl.dot(b_q.to(DT), tl.trans(b_k.to(DT)), acc, input_precision=PREC)
+    elif i_i == i_j:
+        for i_k in range(tl.cdiv(K, BK)):
+            ck = i_k * BK + tl.arange(0, BK)
+            m_k = ck < K
+            b_q = tl.load(q + bhq * T * K + rows[:, None] * K + ck[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+            b_q = b_q.to(tl.float32)
+            if USE_G:
+                g_q = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+            for c in range(BC):
+                key = col0 + c
+                b_kr = tl.load(k + bh * T * K + key * K + ck, mask=_and_scalar(m_k, key < T), other=0.0).to(tl.float32)
+                sel = (loc >= c) & m_r
+                if USE_G:
+                    g_kr = tl.load(gc + bh * T * K + key * K + ck, mask=_and_scalar(m_k, key < T), other=0.0)
+                    w = _masked_exp(g_q - g_kr[None, :], sel[:, None])
+                    s = tl.sum(b_q * b_kr[None, :] * w, axis=1)
+                else:
+                    s = tl.where(sel, tl.sum(b_q * b_kr[None, :], axis=1), 0.0)
+                acc += tl.where(loc[None, :] == c, s[:, None], 0.0)
+    tl.store(A + bhq * T * BT + rows[:, None] * BT + (i_j * BC + loc)[None, :], acc * scale, mask=m_r[:, None])
+
+
+@triton.jit
+def _fwd_output_kernel(
+    q, v, gc, hbuf, A, o, scale, T, NH,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """o = scale (q * exp(gc)) @ h_n  +  A @ v, per chunk and value block."""
+    i_v, i_n, i_bhq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bhq = i_bhq.to(tl.int64)
+    bh = (bhq // (H * G)) * H + (bhq % (H * G)) // G
+    rows = i_n * BT + tl.arange(0, BT)
+    cv = i_v * BV + tl.arange(0, BV)
+    m_t, m_v = rows < T, cv < V
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        m_k = ck < K
+        b_q = tl.load(q + bhq * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_q = b_q.to(tl.float32)
+        if USE_G:
+            b_g = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_q *= tl.exp(b_g)
+        b_h = tl.load(hbuf + (bh * NH + i_n) * K * V + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        acc = tl.dot(b_q.to(DT), b_h.to(DT), acc, input_precision=PREC)
+    acc *= scale
+    cols = tl.arange(0, BT)
+    b_a = tl.load(A + bhq * T * BT + rows[:, None] * BT + cols[None, :], mask=m_t[:, None], other=0.0)
+    b_v = tl.load(v + bh * T * V + rows[:, None] * V + cv[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    acc = tl.dot(b_a.to(DT), b_v.to(DT), acc, input_precision=PREC)
+    tl.store(o + bhq * T * V + rows[:, None] * V + cv[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _bwd_dstate_kernel(
+    q, do, gc, dht, dh0, dhbuf, scale, T, N,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Reverse scan: dhbuf[n] = dL/dh_{n+1} (the state leaving chunk n), dh0 = dL/dh_0."""
+    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh = i_bh.to(tl.int64)
+    b, h = bh // H, bh % H
+    ck = i_k * BK + tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = ck < K, cv < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_offs = ck[:, None] * V + cv[None, :]
+    dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dh += tl.load(dht + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
+    for i in range(N):
+        n = N - 1 - i
+        tl.store(dhbuf + (bh * N + n) * K * V + kv_offs, dh, mask=m_kv)
+        rows = n * BT + tl.arange(0, BT)
+        m_t = rows < T
+        if USE_G:
+            last = tl.minimum(n * BT + BT, T) - 1
+            g_last = tl.load(gc + bh * T * K + last * K + ck, mask=m_k, other=0.0)
+            b_g = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            dh *= tl.exp(g_last)[:, None]
+        for i_g in range(G):
+            hq = b * H * G + h * G + i_g
+            b_q = tl.load(q + hq * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_q = b_q.to(tl.float32) * scale
+            if USE_G:
+                b_q *= tl.exp(b_g)
+            b_do = tl.load(do + hq * T * V + rows[:, None] * V + cv[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+            dh = tl.dot(tl.trans(b_q.to(DT)), b_do.to(DT), dh, input_precision=PREC)
+    if HAS_DH0:
+        tl.store(dh0 + bh * K * V + kv_offs, dh, mask=m_kv)
+
+
+@triton.jit
+def _bwd_dscores_kernel(
+    do, v, dA, T,
+    H: tl.constexpr, G: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """dA[i, j] = do_i . v_j on the causal part of each chunk."""
+    i_n, i_bhq = tl.program_id(0), tl.program_id(1)
+    bhq = i_bhq.to(tl.int64)
+    bh = (bhq // (H * G)) * H + (bhq % (H * G)) // G
+    loc = tl.arange(0, BT)
+    rows = i_n * BT + loc
+    m_t = rows < T
+    acc = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m = m_t[:, None] & (cv < V)[None, :]
+        b_do = tl.load(do + bhq * T * V + rows[:, None] * V + cv[None, :], mask=m, other=0.0)
+        b_v = tl.load(v + bh * T * V + rows[:, None] * V + cv[None, :], mask=m, other=0.0)
+        acc = tl.dot(b_do.to(DT), tl.trans(b_v.to(DT)), acc, input_precision=PREC)
+    acc = tl.where(loc[:, None] >= loc[None, :], acc, 0.0)
+    tl.store(dA + bhq * T * BT + rows[:, None] * BT + loc[None, :], acc, mask=m_t[:, None])
+
+
+@triton.jit
+def _bwd_dv_kernel(
+    k, gc, A, do, dhbuf, dv, T, N,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """dv = (k * exp(gc_last - gc)) @ dh_{n+1}  +  sum over the query group of A^T @ do."""
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh = i_bh.to(tl.int64)
+    b, h = bh // H, bh % H
+    loc = tl.arange(0, BT)
+    rows = i_n * BT + loc
+    cv = i_v * BV + tl.arange(0, BV)
+    m_t, m_v = rows < T, cv < V
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        m_k = ck < K
+        b_k = tl.load(k + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = b_k.to(tl.float32)
+        if USE_G:
+            last = tl.minimum(i_n * BT + BT, T) - 1
+            g_last = tl.load(gc + bh * T * K + last * K + ck, mask=m_k, other=0.0)
+            b_g = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_k *= tl.exp(g_last[None, :] - b_g)
+        b_dh = tl.load(dhbuf + (bh * N + i_n) * K * V + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        acc = tl.dot(b_k.to(DT), b_dh.to(DT), acc, input_precision=PREC)
+    for i_g in range(G):
+        hq = b * H * G + h * G + i_g
+        b_a = tl.load(A + hq * T * BT + rows[:, None] * BT + loc[None, :], mask=m_t[:, None], other=0.0)
+        b_do = tl.load(do + hq * T * V + rows[:, None] * V + cv[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        acc = tl.dot(tl.trans(b_a.to(DT)), b_do.to(DT), acc, input_precision=PREC)
+    tl.store(dv + bh * T * V + rows[:, None] * V + cv[None, :], acc.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _bwd_intra_kernel(
+    q, k, gc, dA, dqi, dki, scale, T,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, NC: tl.constexpr, USE_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """In-chunk parts of dq (per query head) and dk (summed over the group) for one 16-row sub-chunk."""
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_i = i_c // NC, i_c % NC
+    bh = i_bh.to(tl.int64)
+    b, h = bh // H, bh % H
+    row0 = i_n * BT + i_i * BC
+    if row0 >= T:
+        return
+    loc = tl.arange(0, BC)
+    rows = row0 + loc
+    m_r = rows < T
+    ck = i_k * BK + tl.arange(0, BK)
+    m_k = ck < K
+    m_rk = m_r[:, None] & m_k[None, :]
+    kbase = bh * T * K
+    if USE_G:
+        g_i = tl.load(gc + kbase + rows[:, None] * K + ck[None, :], mask=m_rk, other=0.0)
+        g_first = tl.load(gc + kbase + row0 * K + ck, mask=m_k, other=0.0)
+        g_lastrow = tl.load(gc + kbase + (tl.minimum(row0 + BC, T) - 1) * K + ck, mask=m_k, other=0.0)
+    dk = tl.zeros([BC, BK], dtype=tl.float32)
+    dk_later = tl.zeros([BC, BK], dtype=tl.float32)
+    for i_g in range(G):
+        hq = b * H * G + h * G + i_g
+        abase = hq * T * BT
+        qbase = hq * T * K
+        # dq from earlier key sub-chunks, all rows valid, through the sub-chunk's first row.
+        dq = tl.zeros([BC, BK], dtype=tl.float32)
+        for j in range(0, i_i):
+            krows = i_n * BT + j * BC + loc
+            b_k = tl.load(k + kbase + krows[:, None] * K + ck[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
+            if USE_G:
+                g_k = tl.load(gc + kbase + krows[:, None] * K + ck[None, :], mask=m_k[None, :], other=0.0)
+                b_k *= tl.exp(g_first[None, :] - g_k)
+            b_da = tl.load(dA + abase + rows[:, None] * BT + (j * BC + loc)[None, :], mask=m_r[:, None], other=0.0)
+            dq = tl.dot(b_da.to(DT), b_k.to(DT), dq, input_precision=PREC)
+        if USE_G:
+            dq *= _masked_exp(g_i - g_first[None, :], m_r[:, None])
+        # dq from the diagonal block, pair by pair.
+        for c in range(BC):
+            key = row0 + c
+            m_key = key < T
+            b_dac = tl.load(dA + abase + rows * BT + i_i * BC + c, mask=m_r, other=0.0)
+            b_kr = tl.load(k + kbase + key * K + ck, mask=_and_scalar(m_k, m_key), other=0.0).to(tl.float32)
+            sel = (loc >= c) & m_r
+            if USE_G:
+                g_kr = tl.load(gc + kbase + key * K + ck, mask=_and_scalar(m_k, m_key), other=0.0)
+                dq += b_dac[:, None] * b_kr[None, :] * _masked_exp(g_i - g_kr[None, :], sel[:, None])
+            else:
+                dq += tl.where(sel[:, None], b_dac[:, None] * b_kr[None, :], 0.0)
+        tl.store(dqi + qbase + rows[:, None] * K + ck[None, :], dq * scale, mask=m_rk)
+        # dk from later query sub-chunks, through this sub-chunk's last row.
+        for j in range(i_i + 1, NC):
+            qrows = i_n * BT + j * BC + loc
+            m_q = qrows < T
+            b_q = tl.load(q + qbase + qrows[:, None] * K + ck[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
+            b_q = b_q.to(tl.float32)
+            if USE_G:
+                g_q = tl.load(gc + kbase + qrows[:, None] * K + ck[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
+                b_q *= _masked_exp(g_q - g_lastrow[None, :], m_q[:, None])
+            b_da = tl.load(dA + abase + qrows[:, None] * BT + (i_i * BC + loc)[None, :], mask=m_q[:, None], other=0.0)
+            dk_later = tl.dot(tl.trans(b_da.to(DT)), b_q.to(DT), dk_later, input_precision=PREC)
+        # dk from the diagonal block.
+        for c in range(BC):
+            qrow = row0 + c
+            m_q = qrow < T
+            b_dar = tl.load(dA + abase + qrow * BT + i_i * BC + loc, mask=_and_scalar(loc < BC, m_q), other=0.0)
+            b_qr = tl.load(q + qbase + qrow * K + ck, mask=_and_scalar(m_k, m_q), other=0.0).to(tl.float32)
+            sel = _and_scalar(loc <= c, m_q)
+            if USE_G:
+                g_qr = tl.load(gc + kbase + qrow * K + ck, mask=_and_scalar(m_k, m_q), other=0.0)
+                dk += b_dar[:, None] * b_qr[None, :] * _masked_exp(g_qr[None, :] - g_i, sel[:, None])
+            else:
+                dk += tl.where(sel[:, None], b_dar[:, None] * b_qr[None, :], 0.0)
+    if USE_G:
+        dk_later *= _masked_exp(g_lastrow[None, :] - g_i, m_r[:, None])
+    tl.store(dki + kbase + rows[:, None] * K + ck[None, :], (dk + dk_later) * scale, mask=m_rk)
+
+
+@triton.jit
+def _bwd_inter_kernel(
+    q, k, v, gc, hbuf, do, dhbuf, dqi, dki, dq, dk, dg, scale, T, N,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Adds the state paths to dq and dk, and forms dg (see the module docstring)."""
+    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh = i_bh.to(tl.int64)
+    b, h = bh // H, bh % H
+    rows = i_n * BT + tl.arange(0, BT)
+    ck = i_k * BK + tl.arange(0, BK)
+    m_t, m_k = rows < T, ck < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    tk_offs = rows[:, None] * K + ck[None, :]
+    b_k = tl.load(k + bh * T * K + tk_offs, mask=m_tk, other=0.0).to(tl.float32)
+    if USE_G:
+        b_g = tl.load(gc + bh * T * K + tk_offs, mask=m_tk, other=0.0)
+        g_last = tl.load(gc + bh * T * K + (tl.minimum(i_n * BT + BT, T) - 1) * K + ck, mask=m_k, other=0.0)
+    dk_state = tl.zeros([BT, BK], dtype=tl.float32)
+    h_dh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        kv_offs = ck[:, None] * V + cv[None, :]
+        b_v = tl.load(v + bh * T * V + rows[:, None] * V + cv[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_dh = tl.load(dhbuf + (bh * N + i_n) * K * V + kv_offs, mask=m_kv, other=0.0)
+        dk_state = tl.dot(b_v.to(DT), tl.trans(b_dh.to(DT)), dk_state, input_precision=PREC)
+        if USE_G:
+            b_hn = tl.load(hbuf + (bh * (N + 1) + i_n + 1) * K * V + kv_offs, mask=m_kv, other=0.0)
+            h_dh += tl.sum(b_hn * b_dh, axis=1)
+    if USE_G:
+        dk_state *= tl.exp(g_last[None, :] - b_g)
+    b_dk = dk_state + tl.load(dki + bh * T * K + tk_offs, mask=m_tk, other=0.0)
+    tl.store(dk + bh * T * K + tk_offs, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    q_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_g in range(G):
+        hq = b * H * G + h * G + i_g
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            cv = i_v * BV + tl.arange(0, BV)
+            m_v = cv < V
+            b_do = tl.load(do + hq * T * V + rows[:, None] * V + cv[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+            b_h = tl.load(hbuf + (bh * (N + 1) + i_n) * K * V + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+            b_dq = tl.dot(b_do.to(DT), tl.trans(b_h.to(DT)), b_dq, input_precision=PREC)
+        b_dq *= scale
+        if USE_G:
+            b_dq *= tl.exp(b_g)
+        b_dq += tl.load(dqi + hq * T * K + tk_offs, mask=m_tk, other=0.0)
+        tl.store(dq + hq * T * K + tk_offs, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        if USE_G:
+            q_dq += tl.load(q + hq * T * K + tk_offs, mask=m_tk, other=0.0).to(tl.float32) * b_dq
+    if USE_G:
+        x = q_dq - b_k * b_dk
+        suffix = tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x
+        tl.store(dg + bh * T * K + tk_offs, h_dh[None, :] + suffix, mask=m_tk)
+
+
+@triton.jit
+def _fused_recurrent_kernel(
+    q, k, v, g, h0, o, ht, scale, T,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, HAS_H0: tl.constexpr,
+):
+    """Token-by-token update of one value block of one key/value head's state; ht may alias h0."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    bh = i_bh.to(tl.int64)
+    b, h = bh // H, bh % H
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = ck < K, cv < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_offs = ck[:, None] * V + cv[None, :]
+    state = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        state += tl.load(h0 + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
+    for t in range(T):
+        b_k = tl.load(k + (bh * T + t) * K + ck, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + (bh * T + t) * V + cv, mask=m_v, other=0.0).to(tl.float32)
+        if USE_G:
+            b_g = tl.load(g + (bh * T + t) * K + ck, mask=m_k, other=0.0).to(tl.float32)
+            state *= tl.exp(b_g)[:, None]
+        state += b_k[:, None] * b_v[None, :]
+        for i_g in range(G):
+            hq = b * H * G + h * G + i_g
+            b_q = tl.load(q + (hq * T + t) * K + ck, mask=m_k, other=0.0).to(tl.float32) * scale
+            b_o = tl.sum(b_q[:, None] * state, axis=0)
+            tl.store(o + (hq * T + t) * V + cv, b_o.to(o.dtype.element_ty), mask=m_v)
+    tl.store(ht + bh * K * V + kv_offs, state, mask=m_kv)
+
+
+_fwd_state = _tuned(_fwd_state_kernel, ["BT", "BK", "BV", "USE_G"])
+_intra_scores = _tuned(_intra_scores_kernel, ["BT", "BK", "USE_G"])
+_fwd_output = _tuned(_fwd_output_kernel, ["BT", "BK", "BV", "USE_G"])
+_bwd_dstate = _tuned(_bwd_dstate_kernel, ["BT", "BK", "BV", "G", "USE_G"])
+_bwd_dscores = _tuned(_bwd_dscores_kernel, ["BT", "BV", "G"])
+_bwd_dv = _tuned(_bwd_dv_kernel, ["BT", "BK", "BV", "G", "USE_G"])
+_bwd_intra = _tuned(_bwd_intra_kernel, ["BT", "BK", "G", "USE_G"])
+_bwd_inter = _tuned(_bwd_inter_kernel, ["BT", "BK", "BV", "G", "USE_G"])
+
+
+def _block(dim: int, cap: int = 64) -> int:
+    """Power-of-two tile for a head dimension, at least 16 (the smallest tl.dot) and at most `cap`."""
+    return min(cap, max(16, triton.next_power_of_2(dim)))
+
+
+def _chunk_len(chunk_size: int) -> int:
+    """A power of two in [16, 64]: chunk_size only trades speed, never changes the result."""
+    return min(64, max(SUB_CHUNK, 1 << (max(chunk_size, 1).bit_length() - 1)))
+
+
+def _dot_config(dtype: torch.dtype) -> dict:
+    """Matmul operand type and precision for these inputs (see the module docstring).
+
+    The interpreter multiplies bf16 tiles as raw integers, so there bf16 operands go to fp32.
+    """
+    if dtype == torch.bfloat16 and not _interpreting():
+        return {"DT": tl.bfloat16, "PREC": "tf32"}
+    tf32 = dtype == torch.float16 or torch.get_float32_matmul_precision() != "highest"
+    return {"DT": tl.float32, "PREC": "tf32" if tf32 else "ieee"}
+
+
+def _local_cumsum(g: torch.Tensor, BT: int) -> torch.Tensor:
+    """Chunk-local cumulative log-decay in fp32."""
+    B, H, T, K = g.shape
+    gc = torch.empty(B, H, T, K, device=g.device, dtype=torch.float32)
+    BK = _block(K)
+    _chunk_cumsum_kernel[(triton.cdiv(K, BK), triton.cdiv(T, BT), B * H)](g, gc, T, K=K, BT=BT, BK=BK)
+    return gc
+
+
+def _states(
+    k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, h0: torch.Tensor | None, BT: int, keep_final: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """States entering every chunk, and the final state: inside the buffer (backward) or separate (forward)."""
+    B, H, T, K = k.shape
+    V = v.shape[-1]
+    N = triton.cdiv(T, BT)
+    NH = N + 1 if keep_final else N
+    hbuf = torch.empty(B, H, NH, K, V, device=k.device, dtype=torch.float32)
+    ht = hbuf[:, :, N] if keep_final else torch.empty(B, H, K, V, device=k.device, dtype=torch.float32)
+    BK, BV = _block(K), _block(V)
+    _fwd_state[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
+        k, v, k if gc is None else gc, k if h0 is None else h0, hbuf, ht, T, N, NH, NH * K * V if keep_final else K * V,
+        K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=gc is not None, HAS_H0=h0 is not None, **_dot_config(k.dtype),
+    )
+    return hbuf, ht
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor | None, scale: float, BT: int) -> torch.Tensor:
+    """In-chunk causal scores A [B, HQ, T, BT] (fp32, zero above the diagonal)."""
+    B, HQ, T, K = q.shape
+    H = k.shape[1]
+    A = torch.empty(B, HQ, T, BT, device=q.device, dtype=torch.float32)
+    NC = BT // SUB_CHUNK
+    _intra_scores[(triton.cdiv(T, BT), NC * NC, B * HQ)](
+        q, k, k if gc is None else gc, A, scale, T,
+        H=H, G=HQ // H, K=K, BT=BT, BC=SUB_CHUNK, BK=_block(K), NC=NC, USE_G=gc is not None, **_dot_config(q.dtype),
+    )
+    return A
+
+
+def _output(
+    q: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, hbuf: torch.Tensor, A: torch.Tensor, scale: float, BT: int
+) -> torch.Tensor:
+    B, HQ, T, K = q.shape
+    H, V = v.shape[1], v.shape[-1]
+    o = torch.empty(B, HQ, T, V, device=q.device, dtype=q.dtype)
+    BV = _block(V)
+    _fwd_output[(triton.cdiv(V, BV), triton.cdiv(T, BT), B * HQ)](
+        q, v, q if gc is None else gc, hbuf, A, o, scale, T, hbuf.shape[2],
+        H=H, G=HQ // H, K=K, V=V, BT=BT, BK=_block(K), BV=BV, USE_G=gc is not None, **_dot_config(q.dtype),
+    )
+    return o
+
+
+def _backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor | None,
+    do: torch.Tensor, dht: torch.Tensor | None, scale: float, BT: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Recomputes the chunk states and scores (nothing but the inputs is kept from the forward)."""
+    B, HQ, T, K = q.shape
+    H, V = k.shape[1], v.shape[-1]
+    G, N, NC = HQ // H, triton.cdiv(T, BT), BT // SUB_CHUNK
+    BK, BV = _block(K), _block(V)
+    gc = None if g is None else _local_cumsum(g, BT)
+    gp = k if gc is None else gc
+    cfg = {"H": H, "G": G, "BT": BT, **_dot_config(q.dtype)}
+    use_g = gc is not None
+    hbuf, _ = _states(k, v, gc, h0, BT, keep_final=True)
+    A = _scores(q, k, gc, scale, BT)
+
+    dhbuf = torch.empty(B, H, N, K, V, device=q.device, dtype=torch.float32)
+    dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
+    _bwd_dstate[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
+        q, do, gp, k if dht is None else dht, dhbuf if dh0 is None else dh0, dhbuf, scale, T, N,
+        K=K, V=V, BK=BK, BV=BV, USE_G=use_g, HAS_DHT=dht is not None, HAS_DH0=dh0 is not None, **cfg,
+    )
+    dA = torch.empty(B, HQ, T, BT, device=q.device, dtype=torch.float32)
+    _bwd_dscores[(N, B * HQ)](do, v, dA, T, V=V, BV=BV, **cfg)
+    dv = torch.empty_like(v)
+    _bwd_dv[(triton.cdiv(V, BV), N, B * H)](k, gp, A, do, dhbuf, dv, T, N, K=K, V=V, BK=BK, BV=BV, USE_G=use_g, **cfg)
+    dqi = torch.empty(B, HQ, T, K, device=q.device, dtype=torch.float32)
+    dki = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32)
+    _bwd_intra[(triton.cdiv(K, BK), N * NC, B * H)](
+        q, k, gp, dA, dqi, dki, scale, T, K=K, BC=SUB_CHUNK, BK=BK, NC=NC, USE_G=use_g, **cfg,
+    )
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32) if use_g else None
+    _bwd_inter[(triton.cdiv(K, BK), N, B * H)](
+        q, k, v, gp, hbuf, do, dhbuf, dqi, dki, dq, dk, k if dg is None else dg, scale, T, N,
+        K=K, V=V, BK=BK, BV=BV, USE_G=use_g, **cfg,
+    )
+    return dq, dk, dv, dg, dh0
+
+
+class _ChunkGLA(torch.autograd.Function):
+    """Chunked GLA with Triton forward and backward; saves only the inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, scale, initial_state, BT):
+        gc = None if g is None else _local_cumsum(g, BT)
+        hbuf, ht = _states(k, v, gc, initial_state, BT, keep_final=False)
+        A = _scores(q, k, gc, scale, BT)
+        o = _output(q, v, gc, hbuf, A, scale, BT)
+        ctx.save_for_backward(q, k, v, g, initial_state)
+        ctx.scale, ctx.BT = scale, BT
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, h0 = ctx.saved_tensors
+        dht = None if dht is None else dht.contiguous()
+        dq, dk, dv, dg, dh0 = _backward(q, k, v, g, h0, do.contiguous(), dht, ctx.scale, ctx.BT)
+        dg = None if dg is None else dg.to(g.dtype)
+        dh0 = None if dh0 is None else dh0.to(h0.dtype)
+        return dq, dk, dv, dg, None, dh0, None
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, state: torch.Tensor | None) -> None:
+    B, HQ, T, K = q.shape
+    H, V = k.shape[1], v.shape[-1]
+    if HQ % H or k.shape != (B, H, T, K) or v.shape[:3] != (B, H, T):
+        raise ValueError(f"GLA shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if g is not None and g.shape not in (k.shape, (B, H, T, 1)):
+        raise ValueError(f"g must be {tuple(k.shape)} or {(B, H, T, 1)} (one decay per head), got {tuple(g.shape)}")
+    if state is not None and state.shape != (B, H, K, V):
+        raise ValueError(f"state must be {(B, H, K, V)}, got {tuple(state.shape)}")
+
+
+def chunk_gla_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked GLA (differentiable in q, k, v, g and initial_state): (o in q.dtype, final state fp32).
+
+    g may be [B, H, T, K] or one decay per head [B, H, T, 1] (broadcast over K; any strength).
+    """
+    _check(q, k, v, g, initial_state)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g = None if g is None else g.expand_as(k).contiguous()
+    initial_state = None if initial_state is None else initial_state.contiguous()
+    return _ChunkGLA.apply(q, k, v, g, float(scale), initial_state, _chunk_len(chunk_size))
+
+
+def fused_recurrent_gla_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    inplace: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoding step(s): (o in q.dtype, final state fp32), one fused kernel over the tokens.
+
+    With `inplace` and an fp32 contiguous `initial_state`, that tensor is updated and returned,
+    so a cache keeps its buffer. When autograd needs gradients the chunked kernel runs instead
+    (same math, differentiable, never in place).
+    """
+    _check(q, k, v, g, initial_state)
+    tracked = (q, k, v, g, initial_state)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tracked):
+        return chunk_gla_triton(q, k, v, g, scale, initial_state)
+    B, HQ, T, K = q.shape
+    H, V = k.shape[1], v.shape[-1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g = None if g is None else g.expand_as(k).contiguous()
+    o = torch.empty(B, HQ, T, V, device=q.device, dtype=q.dtype)
+    reuse = inplace and initial_state is not None and initial_state.dtype == torch.float32 and initial_state.is_contiguous()
+    if reuse:
+        ht, h0 = initial_state, initial_state
+    else:
+        ht = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
+        h0 = None if initial_state is None else initial_state.contiguous()
+    BK = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), max(16, 8192 // BK))
+    _fused_recurrent_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, k if g is None else g, ht if h0 is None else h0, o, ht, float(scale), T,
+        H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None, HAS_H0=h0 is not None,
+    )
+    return o, ht

@@ -1,0 +1,252 @@
+"""Every Triton kernel against the PyTorch reference, run by Triton's interpreter on CPU tensors.
+
+`tests/conftest.py` sets TRITON_INTERPRET=1 before anything imports the kernels; shapes stay small
+because the interpreter runs each program instance in Python.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from linearize.kernels import feature_maps, gla_triton, ops  # noqa: E402
+from linearize.kernels.gla_torch import gla_parallel, gla_recurrent  # noqa: E402
+from linearize.kernels.gla_triton import chunk_gla_triton, fused_recurrent_gla_triton  # noqa: E402
+
+if not isinstance(gla_triton._chunk_cumsum_kernel, InterpretedFunction):
+    pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def make_inputs(
+    B: int, HQ: int, H: int, T: int, K: int, V: int, decay: bool, state: bool, seed: int = 0
+) -> dict[str, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).requires_grad_()
+
+    g = None
+    if decay:
+        g = torch.nn.functional.logsigmoid(torch.randn(B, H, T, K, generator=gen) * 2 + 1).clamp(min=-5.0)
+        g.requires_grad_()
+    return {
+        "q": randn(B, HQ, T, K, scale=K**-0.5),
+        "k": randn(B, H, T, K, scale=K**-0.5),
+        "v": randn(B, H, T, V),
+        "g": g,
+        "initial_state": randn(B, H, K, V, scale=0.5) if state else None,
+    }
+
+
+def outputs_and_grads(fn, inputs: dict, *args) -> list[torch.Tensor]:
+    """[o, final state, d/d every tensor input] for a random projection of (o, final state)."""
+    o, state = fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], 0.7, inputs["initial_state"], *args)
+    gen = torch.Generator().manual_seed(1)
+    loss = (o * torch.randn(o.shape, generator=gen)).sum() + (state * torch.randn(state.shape, generator=gen)).sum()
+    leaves = [x for x in inputs.values() if x is not None]
+    return [o, state, *torch.autograd.grad(loss, leaves)]
+
+
+def assert_all_close(got: list[torch.Tensor], want: list[torch.Tensor], **tol) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **(tol or TOL))
+
+
+CHUNK_CASES = {
+    # B, HQ, H, T, K, V, decay, initial state, chunk size
+    "T40-chunk32-subchunks": (1, 2, 2, 40, 16, 16, True, True, 32),
+    "gqa-V20-T33-chunk16": (1, 4, 2, 33, 16, 20, True, False, 16),
+    "T1-batch2": (2, 1, 1, 1, 16, 17, True, True, 64),
+    "no-decay-gqa-T64": (1, 2, 1, 64, 16, 16, False, True, 64),
+    "K80-V65-blocks": (1, 1, 1, 24, 80, 65, True, True, 16),
+}
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES.values(), ids=CHUNK_CASES.keys())
+def test_chunk_matches_parallel(case: tuple) -> None:
+    *shape, decay, state, chunk = case
+    inputs = make_inputs(*shape, decay=decay, state=state)
+    want = outputs_and_grads(gla_parallel, inputs)
+    got = outputs_and_grads(chunk_gla_triton, inputs, chunk)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    assert_all_close(got, want)
+
+
+def test_chunk_needs_no_decay_clamp() -> None:
+    """Log-decays far below MIN_LOG_DECAY (the PyTorch chunked form's limit) stay finite and exact here."""
+    inputs = make_inputs(1, 2, 1, 48, 16, 16, decay=True, state=True)
+    with torch.no_grad():
+        inputs["g"][..., :8] = -30.0
+        inputs["g"][..., 8:] = -1e-4
+    want = outputs_and_grads(gla_parallel, {n: None if x is None else x.double() for n, x in inputs.items()})
+    got = outputs_and_grads(chunk_gla_triton, inputs, 32)
+    assert all(torch.isfinite(x).all() for x in got)
+    assert_all_close([x.double() for x in got], want)
+
+
+def test_chunk_per_head_decay() -> None:
+    """g [B, H, T, 1] (one decay per head, any strength) broadcasts over the key channels."""
+    inputs = make_inputs(1, 2, 1, 40, 16, 16, decay=False, state=True)
+    inputs["g"] = (torch.rand(1, 1, 40, 1, generator=torch.Generator().manual_seed(5)) * -20).requires_grad_()
+    want = outputs_and_grads(gla_parallel, inputs)
+    got = outputs_and_grads(chunk_gla_triton, inputs, 32)
+    assert got[-2].shape == (1, 1, 40, 1)
+    assert_all_close(got, want)
+
+
+RECURRENT_CASES = {
+    # B, HQ, H, T, K, V, decay, initial state
+    "gqa-3-tokens": (1, 4, 2, 3, 16, 20, True, True),
+    "one-token-batch2-no-decay": (2, 2, 2, 1, 32, 17, False, True),
+    "no-state": (1, 2, 1, 2, 16, 16, True, False),
+}
+
+
+@pytest.mark.parametrize("case", RECURRENT_CASES.values(), ids=RECURRENT_CASES.keys())
+def test_fused_recurrent_matches_recurrence_in_place(case: tuple) -> None:
+    inputs = make_inputs(*case)
+    q, k, v, g, h0 = (None if x is None else x.detach() for x in inputs.values())
+    want_o, want_h = gla_recurrent(q, k, v, g, 0.7, h0)
+    state = None if h0 is None else h0.clone()
+    with torch.no_grad():
+        o, h = fused_recurrent_gla_triton(q, k, v, g, 0.7, state)
+    torch.testing.assert_close(o, want_o, **TOL)
+    torch.testing.assert_close(h, want_h, **TOL)
+    if state is not None:
+        assert h is state, "an fp32 contiguous state is updated in place"
+
+
+def test_fused_recurrent_out_of_place_and_half_state() -> None:
+    inputs = make_inputs(1, 2, 1, 2, 16, 16, decay=True, state=True)
+    q, k, v, g, h0 = (x.detach() for x in inputs.values())
+    want_o, want_h = gla_recurrent(q, k, v, g, 0.7, h0)
+    kept = h0.clone()
+    with torch.no_grad():
+        o, h = fused_recurrent_gla_triton(q, k, v, g, 0.7, h0, inplace=False)
+        o16, h16 = fused_recurrent_gla_triton(q, k, v, g, 0.7, h0.to(torch.bfloat16))
+    torch.testing.assert_close(h0, kept, rtol=0, atol=0)
+    torch.testing.assert_close(o, want_o, **TOL)
+    torch.testing.assert_close(h, want_h, **TOL)
+    assert h16.dtype == torch.float32
+    torch.testing.assert_close(o16, want_o, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_recurrent_with_autograd_is_differentiable() -> None:
+    inputs = make_inputs(1, 2, 1, 3, 16, 16, decay=True, state=True)
+    want = outputs_and_grads(gla_parallel, inputs)
+    got = outputs_and_grads(fused_recurrent_gla_triton, inputs)
+    assert_all_close(got, want)
+
+
+def test_prefill_then_decode_continues_the_sequence() -> None:
+    inputs = make_inputs(1, 2, 1, 40, 16, 16, decay=True, state=False)
+    q, k, v, g = (inputs[n].detach() for n in ("q", "k", "v", "g"))
+    o_all, h_all = gla_parallel(q, k, v, g, 0.5)
+    with torch.no_grad():
+        o_pre, h = chunk_gla_triton(q[:, :, :37], k[:, :, :37], v[:, :, :37], g[:, :, :37], 0.5, None, 16)
+        outs = [o_pre]
+        for t in range(37, 40):
+            step = (x[:, :, t : t + 1] for x in (q, k, v, g))
+            o_t, h = fused_recurrent_gla_triton(*step, 0.5, h)
+            outs.append(o_t)
+    torch.testing.assert_close(torch.cat(outs, dim=2), o_all, **TOL)
+    torch.testing.assert_close(h, h_all, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_inputs(dtype: torch.dtype) -> None:
+    inputs = make_inputs(1, 2, 1, 40, 32, 32, decay=True, state=True)
+    half = {n: x.detach().to(dtype).requires_grad_() for n, x in inputs.items() if n != "initial_state"}
+    half["initial_state"] = inputs["initial_state"]
+    got = outputs_and_grads(chunk_gla_triton, half, 32)
+    want = outputs_and_grads(gla_parallel, {n: x.detach().double().requires_grad_() for n, x in half.items()})
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    assert [x.dtype for x in got[2:]] == [dtype] * 4 + [torch.float32]
+    assert_all_close([x.double() for x in got], want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_env_forces_triton_through_dispatch(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LINEARIZE_KERNELS=triton sends CPU tensors through the Triton kernels (here: the interpreter)."""
+    calls = []
+    for name in ("chunk_gla_triton", "fused_recurrent_gla_triton"):
+        original = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    inputs = make_inputs(1, 2, 1, 20 if mode == "chunk" else 2, 16, 16, decay=True, state=False)
+    with torch.no_grad():
+        inputs["q"].copy_(torch.nn.functional.elu(inputs["q"]) + 1)
+        inputs["k"].copy_(torch.nn.functional.elu(inputs["k"]) + 1)
+
+    def run(q, k, v, g, scale, initial_state, mode):
+        return ops.gated_linear_attention(q, k, v, g, scale=scale, normalize=True, initial_state=initial_state, mode=mode)
+
+    monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
+    want = outputs_and_grads(run, inputs, "parallel")
+    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
+    assert ops.kernel_backend(torch.device("cpu")) == "triton"
+    got = outputs_and_grads(run, inputs, mode)
+    assert calls == [{"chunk": "chunk_gla_triton", "recurrent": "fused_recurrent_gla_triton"}[mode]]
+    assert got[1].shape[-1] == 17
+    assert_all_close(got, want)
+
+
+def _grads(y: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    probe = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    return [y, *torch.autograd.grad((y * probe).sum(), leaves)]
+
+
+def test_hedgehog_fused_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, 20, generator=gen).requires_grad_()
+    weight = (torch.randn(3, 20, 24, generator=gen) * 0.3).requires_grad_()
+    bias = torch.randn(3, 24, generator=gen).requires_grad_()
+    monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
+    want = _grads(feature_maps.hedgehog(x, weight, bias), [x, weight, bias])
+    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
+    calls = []
+    original = feature_maps.hedgehog_triton
+    monkeypatch.setattr(feature_maps, "hedgehog_triton", lambda *a: calls.append(1) or original(*a))
+    got = _grads(feature_maps.hedgehog(x, weight, bias), [x, weight, bias])
+    assert calls == [1]
+    assert_all_close(got, want)
+
+
+@pytest.mark.parametrize("stabilizer", ["row-max", "per-row", "per-head"])
+def test_performer_fused_matches_torch(stabilizer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 40, 37, generator=gen).requires_grad_()
+    stab = {
+        "row-max": None,
+        "per-row": torch.randn(2, 3, 40, 1, generator=gen).requires_grad_(),
+        "per-head": torch.randn(2, 3, 1, 1, generator=gen).requires_grad_(),
+    }[stabilizer]
+    leaves = [logits] + ([] if stab is None else [stab])
+    monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
+    want = _grads(feature_maps.performer(logits, stab), leaves)
+    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
+    calls = []
+    original = feature_maps.performer_triton
+    monkeypatch.setattr(feature_maps, "performer_triton", lambda *a: calls.append(1) or original(*a))
+    got = _grads(feature_maps.performer(logits, stab), leaves)
+    assert calls == [1]
+    assert_all_close(got, want)
+
+
+def test_modules_import_without_gpu_or_interpreter() -> None:
+    """On a CUDA-less machine without TRITON_INTERPRET the modules still import (CUDA path: autotuned kernels)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import triton, linearize.kernels.gla_triton as m, linearize.kernels.feature_maps_triton as f; "
+        "assert isinstance(m._fwd_state, triton.runtime.Autotuner), type(m._fwd_state)"
+    )
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
