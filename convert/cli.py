@@ -52,6 +52,7 @@ def convert_parser() -> argparse.ArgumentParser:
     att.add_argument("--feature-dim", type=int, help="hedgehog width per half, or Performer random features")
     att.add_argument("--gate", choices=["lowrank", "key", "none"], help="GLA decay gate")
     att.add_argument("--window", type=int, help="softmax window (tokens) mixed into each linear layer; 0 disables")
+    att.add_argument("--sink", type=int, help="first tokens that always stay in the softmax window (attention sinks)")
     tr = p.add_argument_group("training")
     tr.add_argument("--transfer-tokens", type=int, help="stage 1 (attention transfer) token budget; 0 skips it")
     tr.add_argument("--finetune-tokens", type=int, help="stage 2 (LoRA) token budget; 0 skips it")
@@ -107,6 +108,7 @@ def recipe_from_args(args: argparse.Namespace):
         "attention.feature_dim": args.feature_dim,
         "attention.gate": args.gate,
         "attention.window": args.window,
+        "attention.sink": args.sink,
         "transfer.tokens": args.transfer_tokens,
         "transfer.lr": args.transfer_lr,
         "finetune.tokens": args.finetune_tokens,

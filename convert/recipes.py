@@ -37,6 +37,7 @@ class Attention:
     gate_rank: int = 16
     normalize: bool = True
     window: int = 0
+    sink: int = 0
     chunk_size: int = 64
     seed: int = 0
 

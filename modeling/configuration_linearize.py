@@ -20,6 +20,7 @@ LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     "gate_rank": 16,
     "normalize": True,  # divide by phi(q).z
     "window": 0,  # >0: softmax over the last `window` tokens mixed into the linear layer
+    "sink": 0,  # with a window: the first `sink` tokens also stay in the softmax part (attention sinks)
     "chunk_size": 64,
     "seed": 0,  # performer random features are drawn from this seed and saved as a buffer
 }
@@ -86,8 +87,9 @@ class LinearizeConfig(PretrainedConfig):
         window = self.linear_attention["window"]
         # The hybrid cache keeps `sliding_window - 1` tokens: the window plus the key about to enter the state.
         self.sliding_window = window + 1 if window else None
-        # Linear layers keep two states: the (key x value) memory and, for Performer, the key stabilizer.
-        self.number_of_conv_states = 2
+        # Linear layers keep up to four states: the (key x value) memory, Performer's key stabilizer,
+        # and the attention sinks' keys/values and positions.
+        self.number_of_conv_states = 4
         # Our check first: transformers' own layer_types validator (in super().__init__) raises a
         # non-ValueError listing layer types this model cannot build.
         self.validate_layers()
@@ -129,6 +131,11 @@ class LinearizeConfig(PretrainedConfig):
             raise ValueError(f"linear_attention.gate={settings['gate']!r}: use lowrank, key or none")
         if settings["kind"] == "gla" and settings["feature_map"] == "performer" and settings["gate"] != "none":
             raise ValueError("performer features carry their own stabilizer decay: use gate='none' with them")
+        sink = settings["sink"]
+        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
+            raise ValueError(f"linear_attention.sink={sink!r}: use a non-negative integer (0 = no sinks)")
+        if sink and not window:
+            raise ValueError("attention sinks live in the softmax window: set linear_attention.window > 0 too")
         if settings["window"] and not settings["normalize"]:
             raise ValueError("a softmax window needs normalize=true: the window and the linear part share one normalizer")
         if "hybrid_sliding" in self.layer_types and not settings["window"]:

@@ -34,6 +34,9 @@ from ..kernels.ops import gated_linear_attention
 from .configuration_linearize import LinearizeConfig
 
 RECURRENT_MAX_TOKENS = 16  # at most this many new tokens with a state: step the recurrence instead of chunking
+# The window/linear mix starts at sigmoid(2) = 0.88 on the softmax side: a converted layer begins close
+# to sliding-window-plus-sink attention, which alone keeps most of the teacher's quality, and learns the rest.
+WINDOW_FACTOR_INIT = 2.0
 
 
 class LinearizeRMSNorm(nn.Module):
@@ -280,6 +283,57 @@ def window_softmax_terms(
     return unblock(num), unblock(den), unblock(c)
 
 
+def update_sinks(
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    count: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep the first `count` real tokens of each row (attention sinks): their keys, values and positions.
+
+    `sinks` is (keys [B, Hkv, S, D], values, positions [B, S] with -1 for an empty slot) or None;
+    k, v [B, Hkv, T, D] are new tokens at absolute `positions` [T], `valid` [B, T] marks real ones.
+    """
+    B, Hkv, T, D = k.shape
+    if sinks is None:
+        sinks = (k.new_zeros(B, Hkv, count, D), v.new_zeros(B, Hkv, count, D), k.new_full((B, count), -1.0))
+    sink_k, sink_v, sink_pos = sinks
+    filled = (sink_pos >= 0).sum(-1, keepdim=True)
+    slot = filled + valid.long().cumsum(-1) - 1  # the sink slot each new real token would take
+    slot = torch.where(valid & (slot < count), slot, torch.full_like(slot, count))  # slot `count` discards
+    index = slot[:, None, :, None].expand(B, Hkv, T, D)
+    sink_k = torch.cat([sink_k, k.new_zeros(B, Hkv, 1, D)], 2).scatter(2, index, k)[:, :, :count]
+    sink_v = torch.cat([sink_v, v.new_zeros(B, Hkv, 1, D)], 2).scatter(2, index, v)[:, :, :count]
+    new_pos = positions.to(sink_pos.dtype)[None].expand(B, T)
+    sink_pos = torch.cat([sink_pos, sink_pos.new_full((B, 1), -1.0)], 1).scatter(1, slot, new_pos)[:, :count]
+    return sink_k, sink_v, sink_pos
+
+
+def add_sink_terms(
+    window_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    q: torch.Tensor,
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    q_positions: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold the sink tokens that lie before a query's window into its softmax terms (one shared max)."""
+    num, den, c = window_terms
+    sink_k, sink_v, sink_pos = sinks
+    groups = q.shape[1] // sink_k.shape[1]
+    scores = (q @ sink_k.repeat_interleave(groups, 1).transpose(-1, -2)) * scaling  # [B, H, T, S]
+    visible = (sink_pos[:, None, None, :] >= 0) & (sink_pos[:, None, None, :] <= q_positions[None, None, :, None] - window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    c_new = torch.maximum(c, scores.amax(-1, keepdim=True))
+    weights = (scores - c_new).exp()
+    rescale = (c - c_new).exp()
+    num = num * rescale + weights @ sink_v.repeat_interleave(groups, 1)
+    den = den * rescale + weights.sum(-1, keepdim=True)
+    return num, den, c_new
+
+
 class LinearAttention(AttentionProjections):
     """Linear attention on the teacher's projections: GLA or Performer, optionally with a softmax window.
 
@@ -301,6 +355,7 @@ class LinearAttention(AttentionProjections):
         self.normalize = settings["normalize"]
         self.chunk_size = settings["chunk_size"]
         self.window = settings["window"] if config.layer_types[layer_idx] == "hybrid_sliding" else 0
+        self.sink = settings["sink"] if self.window else 0
         self.form: str | None = None
         self.transfer = False
         self.transfer_loss: torch.Tensor | None = None
@@ -321,7 +376,7 @@ class LinearAttention(AttentionProjections):
         if self.kind == "gla" and settings["gate"] == "lowrank":
             self.gate = LowRankGate(config.hidden_size, self.num_kv_heads, channels, settings["gate_rank"])
         if self.window and self.map_name != "performer":
-            self.window_factor = nn.Parameter(torch.zeros(self.num_heads))
+            self.window_factor = nn.Parameter(torch.full((self.num_heads,), WINDOW_FACTOR_INIT))
 
     def _query_features(self, q: torch.Tensor) -> torch.Tensor:
         """phi(q) [B, H, T, F]; Performer returns its logits (the stabilizer is applied later)."""
@@ -371,16 +426,31 @@ class LinearAttention(AttentionProjections):
         g = self._decay(hidden_states, k)
         valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if mask2d is None else mask2d[:, -T:].bool()
         if self.window:
-            n_past = 0
+            n_past = seen = 0
+            sinks = None
             if cache is not None:
-                past = cache.layers[self.layer_idx].keys
-                n_past = 0 if past is None else past.shape[2]
+                layer = cache.layers[self.layer_idx]
+                n_past = 0 if layer.keys is None else layer.keys.shape[2]
+                seen = layer.cumulative_length
+                sinks = self._load_sinks(layer)
+                k_new, v_new = k, v
                 k, v = cache.update(k, v, self.layer_idx)
+            else:
+                k_new, v_new = k, v
             key_valid = mask2d[:, -k.shape[2] :].bool() if mask2d is not None else valid.new_ones(B, k.shape[2])
             window_terms = window_softmax_terms(q, k, v, key_valid, self.window, self.scaling)
+            positions = torch.arange(seen, seen + T, device=q.device)
+            if self.sink:
+                sinks = update_sinks(sinks, k_new, v_new, positions, valid, self.sink)
+                window_terms = add_sink_terms(window_terms, q, sinks, positions, self.window, self.scaling)
+                self._save_sinks(cache, sinks)
             k, v = (shift_into_state(x[:, :, n_past:], x[:, :, :n_past], self.window) for x in (k, v))
             valid_all = key_valid[:, None, :, None]
             valid = shift_into_state(valid_all[:, :, n_past:], valid_all[:, :, :n_past], self.window)[:, 0, :, 0]
+            if self.sink:
+                # Sinks stay in the softmax part for good: they never enter the linear state.
+                entering = (positions - self.window).to(sinks[2].dtype)
+                valid = valid & ~(entering[None, :, None] == sinks[2][:, None, :]).any(-1)
         keep = valid[:, None, :, None]
         v = v * keep
         if g is not None:
@@ -435,6 +505,17 @@ class LinearAttention(AttentionProjections):
         per_step = torch.where(torch.isfinite(current), current, torch.zeros_like(current))
         features = performer(key_logits, per_step) * keep
         return features, g, running[:, :, -1:], per_step
+
+    def _load_sinks(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if not self.sink or not layer.is_recurrent_states_initialized[2]:
+            return None
+        kv, positions = layer.recurrent_states[2], layer.recurrent_states[3]
+        return kv[..., : self.head_dim], kv[..., self.head_dim :], positions
+
+    def _save_sinks(self, cache: Cache | None, sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        if cache is not None:
+            cache.update_recurrent_state(torch.cat(sinks[:2], dim=-1), self.layer_idx, state_idx=2)
+            cache.update_recurrent_state(sinks[2], self.layer_idx, state_idx=3)
 
     def _load_state(self, cache: Cache | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if cache is None:
@@ -496,7 +577,7 @@ class LinearizePreTrainedModel(PreTrainedModel):
         if isinstance(module, (HedgehogFeatureMap, LowRankGate)):
             module.reset_parameters()
         elif isinstance(module, LinearAttention) and hasattr(module, "window_factor"):
-            init.zeros_(module.window_factor)
+            init.constant_(module.window_factor, WINDOW_FACTOR_INIT)
 
 
 class LinearizeModel(LinearizePreTrainedModel):

@@ -135,6 +135,7 @@ def random_ids(*shape: int, seed: int = 0) -> torch.Tensor:
 FORM_CASES = {
     "gla-hedgehog-lowrank": ([LIN, FULL, LIN], {"gate": "lowrank", "chunk_size": 16}),
     "gla-hedgehog-lowrank-window4": ([HYB, FULL, HYB], {"gate": "lowrank", "window": 4, "chunk_size": 16}),
+    "gla-hedgehog-lowrank-window4-sink2": ([HYB, FULL, HYB], {"gate": "lowrank", "window": 4, "sink": 2, "chunk_size": 16}),
     "gla-hedgehog-key-window8-chunk32": ([HYB, LIN], {"gate": "key", "window": 8, "chunk_size": 32}),
     "gla-elu-key-window8": ([HYB, LIN], {"feature_map": "elu", "gate": "key", "window": 8, "chunk_size": 16}),
     "gla-elu-nogate": ([LIN, LIN], {"feature_map": "elu", "gate": "none", "chunk_size": 16}),
@@ -150,6 +151,10 @@ FORM_CASES = {
     "performer-window4": (
         [HYB, HYB],
         {"kind": "performer", "feature_map": "performer", "feature_dim": 48, "window": 4, "chunk_size": 16},
+    ),
+    "performer-window4-sink3": (
+        [HYB, HYB],
+        {"kind": "performer", "feature_map": "performer", "feature_dim": 48, "window": 4, "sink": 3, "chunk_size": 16},
     ),
 }
 
@@ -191,8 +196,9 @@ def dense_linear_attention(layer: LinearAttention, hidden: torch.Tensor, q, k, v
     A key j enters the decaying state when it leaves the window (step j + W) and is decayed by every
     later step: A_ij = (1 - w) phi(q_i).(phi(k_j) * exp(b_i - b_{j+W})) for j <= i - W; the last W
     keys get w * exp(q_i.k_j / sqrt(D) - c_i) with c_i their max score (LoLCATs); w = sigmoid(window_factor).
+    The first S tokens (attention sinks) always take the softmax side and never enter the state.
     """
-    groups, W = layer.num_key_value_groups, layer.window
+    groups, W, S = layer.num_key_value_groups, layer.window, layer.sink
     T = q.shape[2]
     g = layer._decay(hidden, k)
     fq, fk = layer._query_features(q), layer._key_features(k)
@@ -202,14 +208,14 @@ def dense_linear_attention(layer: LinearAttention, hidden: torch.Tensor, q, k, v
     entered = b[:, :, (torch.arange(T) + W).clamp(max=T - 1)]  # b at the step key j enters the state
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
     decay = torch.exp(b[:, :, :, None, :] - entered[:, :, None, :, :])
-    linear = torch.einsum("bhif,bhjf,bhijf->bhij", fq, fk, decay).masked_fill(~(j <= i - W), 0.0)
+    linear = torch.einsum("bhif,bhjf,bhijf->bhij", fq, fk, decay).masked_fill(~((j <= i - W) & (j >= S)), 0.0)
     if layer.map_name == "identity":
         linear = linear * layer.scaling
     if not layer.normalize:
         return linear @ v
     if W:
         scores = (q @ k.transpose(-1, -2)) * layer.scaling
-        scores = scores.masked_fill(~((j <= i) & (j > i - W)), float("-inf"))
+        scores = scores.masked_fill(~((j <= i) & ((j > i - W) | (j < S))), float("-inf"))
         window = torch.exp(scores - scores.amax(-1, keepdim=True))
         w = torch.sigmoid(layer.window_factor)[None, :, None, None]
         weights = (1 - w) * linear + w * window
@@ -222,6 +228,7 @@ DENSE_CASES = {
     "hedgehog-lowrank": ([LIN], {"gate": "lowrank"}),
     "hedgehog-lowrank-window4": ([HYB], {"gate": "lowrank", "window": 4}),
     "elu-key-window8": ([HYB], {"feature_map": "elu", "gate": "key", "window": 8}),
+    "hedgehog-lowrank-window4-sink2": ([HYB], {"gate": "lowrank", "window": 4, "sink": 2}),
     "elu-nogate-window4": ([HYB], {"feature_map": "elu", "gate": "none", "window": 4}),
     "identity-unnormalized-lowrank": ([LIN], {"feature_map": "identity", "normalize": False}),
 }
@@ -268,6 +275,7 @@ def test_parallel_form_runs_in_other_dtypes(gate, dtype):
 PLANS = {
     "linear": ([LIN, FULL, LIN], {"chunk_size": 16}),
     "hybrid_sliding": ([HYB, FULL, HYB], {"window": 4, "chunk_size": 16}),
+    "hybrid_sliding_sinks": ([HYB, FULL, HYB], {"window": 4, "sink": 3, "chunk_size": 16}),
     "all_linear": ([LIN, LIN, LIN], {"chunk_size": 16}),
     "all_hybrid_performer": ([HYB, HYB, HYB], {"kind": "performer", "feature_map": "performer", "window": 4}),
 }
@@ -374,13 +382,15 @@ def kv_bytes(layer) -> int:
     return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
 
-@pytest.mark.parametrize("kind", ["gla", "performer"])
+@pytest.mark.parametrize("kind", ["gla", "performer", "gla-sinks"])
 @torch.no_grad()
 def test_cache_does_not_grow(kind):
     window = 4
     settings = {"window": window, "chunk_size": 16}
     if kind == "performer":
         settings.update(kind="performer", feature_map="performer")
+    if kind == "gla-sinks":
+        settings.update(sink=2)
     model = make_model([LIN, HYB, FULL], settings, seed=5)
     prompt = random_ids(1, 9, seed=41)
     caches = {}
@@ -394,10 +404,12 @@ def test_cache_does_not_grow(kind):
     assert recurrent_bytes(short[0]) == recurrent_bytes(long[0]) > 0
     assert kv_bytes(short[0]) == kv_bytes(long[0]) == 0
     if kind == "performer":  # the key stabilizer is the second state
-        assert all(isinstance(t, torch.Tensor) for t in long[0].recurrent_states.values())
+        assert all(isinstance(long[0].recurrent_states[i], torch.Tensor) for i in (0, 1))
     # layer 1: hybrid -> the same fixed state plus a KV window bounded by the window
     assert isinstance(long[1], LinearAttentionAndSlidingWindowAttentionLayer)
-    assert recurrent_bytes(short[1]) == recurrent_bytes(long[1]) == recurrent_bytes(long[0])
+    assert recurrent_bytes(short[1]) == recurrent_bytes(long[1]) >= recurrent_bytes(long[0])
+    if kind == "gla-sinks":  # the two sink tokens' keys/values and positions, a fixed size too
+        assert long[1].recurrent_states[2].shape[2] == 2 and long[1].recurrent_states[3].shape[1] == 2
     assert long[1].keys.shape[2] <= window and short[1].keys.shape[2] <= window
     assert kv_bytes(short[1]) == kv_bytes(long[1]) > 0
     # layer 2: softmax -> an ordinary KV cache that grows with every token
