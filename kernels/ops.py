@@ -59,9 +59,6 @@ def gated_linear_attention(
     if normalize:
         v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
     backend = kernel_backend(q.device)
-    if g is not None and g.shape[-1] == 1 and g.shape[-1] != k.shape[-1]:
-        # Per-head decays (Performer's stabilizer, the key gate) may be arbitrarily strong: the exact torch path.
-        backend = "torch"
     if mode == "parallel":
         o, state = gla_parallel(q, k, v, g, scale, initial_state)
     elif backend == "triton":
