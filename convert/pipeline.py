@@ -138,6 +138,7 @@ def plot_losses(results: list[StageResult], path: Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6), squeeze=False)
     for ax, result in zip(axes[0], curves):
@@ -145,6 +146,7 @@ def plot_losses(results: list[StageResult], path: Path) -> Path | None:
         ax.plot(tokens, losses, marker="o", markersize=3)
         ax.set_title(f"{result.name} loss")
         ax.set_xlabel("tokens")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:g}k"))
         ax.set_ylabel("MSE (sum over layers)" if result.name == "transfer" else "loss")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
