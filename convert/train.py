@@ -147,9 +147,11 @@ def run_loop(
     tokens_per_step = stage.batch_size * data.shape[1] * world
     total = max(1, math.ceil(stage.tokens / tokens_per_step))
     optimizer = torch.optim.AdamW(params.values(), lr=stage.lr, weight_decay=stage.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, stage.warmup_steps))
     checkpoint = Checkpoint(work_dir, name)
     progress = checkpoint.load(params, optimizer)
+    factor = lr_lambda(total, stage.warmup_steps)
+    start = progress.get("step", 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(step + start))
     result = StageResult(name, resumed_from=progress.get("step", 0))
     result.curve = [tuple(x) for x in progress.get("curve", [])]
     if progress.get("done"):
@@ -157,8 +159,6 @@ def run_loop(
         result.seconds = progress.get("seconds", 0.0)
         logger.info("%s: already complete in the checkpoint (%d steps), skipping", name, result.steps)
         return result
-    for _ in range(result.resumed_from):
-        scheduler.step()
     if result.resumed_from:
         logger.info("%s: resuming at step %d of %d", name, result.resumed_from, total)
     prepared, optimizer = accelerator.prepare(module, optimizer)
