@@ -257,6 +257,16 @@ def window_softmax_terms(
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     groups = H // Hkv
+    if T <= RECURRENT_MAX_TOKENS:  # decoding: a few queries against at most window + T keys, no blocks
+        query_pos = torch.arange(L - T, L, device=q.device)[:, None]
+        key_pos = torch.arange(L, device=q.device)[None, :]
+        allowed = (key_pos <= query_pos) & (key_pos > query_pos - window) & key_valid[:, None, None, None, :]
+        scores = (q.view(B, Hkv, groups, T, D) @ k.unsqueeze(2).transpose(-1, -2)) * scaling
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        c = scores.amax(-1, keepdim=True).clamp_min(-1e4)
+        weights = (scores - c).exp()
+        num, den = weights @ v.unsqueeze(2), weights.sum(-1, keepdim=True)
+        return num.view(B, H, T, D), den.view(B, H, T, 1), c.view(B, H, T, 1)
     front = (-L) % window + window  # an empty block in front, so every block has a predecessor
     n = (L + front) // window
     q = F.pad(q, (0, 0, front + L - T, 0)).view(B, Hkv, groups, n, window, D)
@@ -301,6 +311,8 @@ def update_sinks(
         sinks = (k.new_zeros(B, Hkv, count, D), v.new_zeros(B, Hkv, count, D), k.new_full((B, count), -1.0))
     sink_k, sink_v, sink_pos = sinks
     filled = (sink_pos >= 0).sum(-1, keepdim=True)
+    if bool((filled == count).all()):  # every row has its sinks already (all of decoding)
+        return sinks
     slot = filled + valid.long().cumsum(-1) - 1  # the sink slot each new real token would take
     slot = torch.where(valid & (slot < count), slot, torch.full_like(slot, count))  # slot `count` discards
     index = slot[:, None, :, None].expand(B, Hkv, T, D)
