@@ -267,12 +267,6 @@ def convert(
     )
     logger.info("layer plan %s", describe(types))
     student = linearize_model(teacher, types, settings, spec)
-    if measured_student is not None:
-        trained = new_parameters(measured_student)
-        with torch.no_grad():
-            for name, p in new_parameters(student).items():
-                p.copy_(trained[name])
-        del measured_student
 
     report = ConversionReport(
         model=spec,
@@ -291,6 +285,13 @@ def convert(
         ppl["zero_shot"] = _heldout_ppl(student, tokenizer, recipe)
         if work is not None:
             work.put("perplexity", ppl)
+    if measured_student is not None:
+        # The measuring pass already trained every layer's new parameters: start stage 1 from them.
+        trained = new_parameters(measured_student)
+        with torch.no_grad():
+            for name, p in new_parameters(student).items():
+                p.copy_(trained[name])
+        del measured_student
 
     results = []
     if recipe.transfer.tokens > 0:
