@@ -27,7 +27,7 @@ from . import data as data_lib
 from .export import check_output, default_model_card, export
 from .plan import describe, plan_layers
 from .recipes import Recipe, Stage
-from .sources import load_model
+from .sources import load_model, resolve
 from .swap import check_supported, linearize_model, new_parameters
 from .train import StageResult, attention_transfer, lora_finetune, measure_layer_errors
 
@@ -216,7 +216,12 @@ def convert(
         output = Path(output).expanduser().resolve()
         check_output(output, overwrite)
     # A model in memory is named by where it was loaded from, not by the recipe's (default) model.
-    spec = teacher if isinstance(teacher, str) else getattr(teacher.config, "_name_or_path", "") or "in-memory model"
+    if isinstance(teacher, str):
+        # Record what the teacher resolves to (not a short name), so eval can find it again from anywhere.
+        source = resolve(teacher)
+        spec = source.spec if source.kind in ("embedded", "hub") else str(Path(source.location).resolve())
+    else:
+        spec = getattr(teacher.config, "_name_or_path", "") or "in-memory model"
     if isinstance(teacher, str):
         teacher, tokenizer, resolved = load_model(teacher, dtype=_default_dtype(recipe, accelerator.device))
     else:
