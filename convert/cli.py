@@ -65,6 +65,7 @@ def convert_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch-size", type=int, help="sequences per step per process (both stages)")
     tr.add_argument("--dataset", help="'embedded', local .txt/.jsonl/.parquet file or folder, or a hub dataset name")
     tr.add_argument("--dataset-config", help="hub dataset config name")
+    tr.add_argument("--split", help="hub dataset split to train on (default: train)")
     tr.add_argument("--text-field", help="text column of jsonl/parquet/hub data (default: text)")
     tr.add_argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints")
     tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto: fp32 on CPU, bf16 on GPU")
@@ -130,6 +131,7 @@ def recipe_from_args(args: argparse.Namespace):
             ("batch_size", "batch_size"),
             ("dataset", "dataset"),
             ("dataset_config", "dataset_config"),
+            ("split", "split"),
             ("text_field", "text_field"),
             ("checkpoint_every", "checkpoint_every"),
         ):
