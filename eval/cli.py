@@ -59,6 +59,8 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="examples per task (default: all)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--skip-teacher", action="store_true", help="evaluate only the student")
+    p.add_argument("--skip-context", action="store_true", help="no perplexity-against-context table")
+    _context_args(p)
     _common(p)
     return p
 
@@ -67,6 +69,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     """`linearize eval DIR [--teacher MODEL] [--tasks ...] [--limit N] [--batch-size N] [--device] [--skip-teacher]`."""
 
     def body(args: argparse.Namespace) -> int:
+        from .perplexity import render_context_table
         from .quality import evaluate, render_table
 
         if args.limit is not None and args.limit < 1:
@@ -79,9 +82,14 @@ def eval_main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             device=args.device,
             skip_teacher=args.skip_teacher,
+            contexts=None if args.skip_context else _contexts(args.contexts),
+            texts=None if args.skip_context else _texts(args.texts),
+            context_tokens=args.context_tokens,
         )
         console = _console()
         console.print(render_table(report["rows"], report["summary"]))
+        for name, rows in (report["context"] or {}).get("contexts", {}).items():
+            console.print(render_context_table(rows, f"perplexity against context: {name}"))
         console.print(
             f"wrote {report['paths']['json']}, {report['paths']['md']} and the table in {report['paths']['readme']}"
         )
@@ -133,49 +141,115 @@ def bench_main(argv: list[str] | None = None) -> int:
     return _run(bench_parser(), argv, body)
 
 
+def _contexts(value: str) -> list[int]:
+    from .bench import parse_int_list
+
+    return parse_int_list(value, "contexts")
+
+
+def _texts(value: str) -> dict[str, str]:
+    """`pydoc,britannica` -> the named held-out texts."""
+    from linearize.convert.data import eval_text
+
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise ValueError("--texts is empty: name held-out texts such as pydoc,britannica")
+    return {name: eval_text(name) for name in names}
+
+
+def _context_args(p: argparse.ArgumentParser) -> None:
+    from .perplexity import DEFAULT_CONTEXTS
+
+    p.add_argument(
+        "--contexts",
+        default=",".join(map(str, DEFAULT_CONTEXTS)),
+        help="context lengths for perplexity against context, comma-separated; lengths past the model's "
+        "max_position_embeddings are dropped (default %(default)s)",
+    )
+    p.add_argument(
+        "--texts", default="pydoc,britannica", help="held-out texts for the context table (default %(default)s)"
+    )
+    p.add_argument(
+        "--context-tokens", type=int, default=16384, help="tokens scored per text and length (default %(default)s)"
+    )
+
+
 def ppl_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="linearize ppl",
-        description="Sliding-window perplexity of a model on text files, a dataset, or (default) the "
-        "fixed held-out slice of the embedded corpus.",
+        description="Perplexity against context length (512 ... 8K) of a model, and of its teacher when it is a "
+        "converted folder or --teacher is given, on held-out text; with --seq-len, one sliding-window "
+        "perplexity on text files, a dataset, or the held-out slice.",
     )
     p.add_argument("model", help="model folder, .gguf file, hub id or short name")
-    p.add_argument("--text-file", nargs="+", default=[], help=".txt/.md files, or .jsonl/.parquet with --column")
-    p.add_argument("--dataset", default=None, help="dataset name for datasets.load_dataset (hub id or local folder)")
+    p.add_argument("--teacher", default=None, help="compare with this model (default: the teacher a converted folder records)")
+    p.add_argument("--skip-teacher", action="store_true", help="score only MODEL")
+    _context_args(p)
+    p.add_argument("--plot", default=None, help="PNG of the curves (default: MODEL/context.png for a converted folder)")
+    p.add_argument("--seq-len", type=int, default=None, help="one sliding-window perplexity with this window instead")
+    p.add_argument("--stride", type=int, default=256, help="with --seq-len: tokens each window moves on")
+    p.add_argument("--text-file", nargs="+", default=[], help="with --seq-len: .txt/.md files, or .jsonl/.parquet with --column")
+    p.add_argument("--dataset", default=None, help="with --seq-len: dataset name for datasets.load_dataset")
     p.add_argument("--dataset-config", default=None)
     p.add_argument("--split", default="test")
     p.add_argument("--column", default="text", help="text column of .jsonl/.parquet files and datasets")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--stride", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
+    p.add_argument("--max-tokens", type=int, default=None, help="with --seq-len: score at most this many tokens")
     p.add_argument("--batch-size", type=int, default=4)
     _common(p)
     return p
 
 
+def _sliding_ppl(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .models import check_device, load
+    from .perplexity import load_text, perplexity, windows
+
+    windows(2, args.seq_len, args.stride)  # fail on bad --seq-len/--stride before loading anything
+    check_device(args.device)
+    text = load_text(args.text_file, args.dataset, args.dataset_config, args.split, args.column)
+    model, tokenizer, location = load(args.model, device=args.device)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{location!r} has no tokenizer: save one next to the model")
+    res = perplexity(model, tokenizer, text, args.seq_len, args.stride, args.max_tokens, args.batch_size, progress=True)
+    table = Table(title=f"perplexity of {args.model}")
+    for col in ("ppl", "nll (nats/token)", "tokens", "seq_len / stride"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{res['ppl']:.3f}", f"{res['nll']:.4f}", str(res["tokens"]), f"{args.seq_len} / {args.stride}")
+    _console().print(table)
+    return 0
+
+
 def ppl_main(argv: list[str] | None = None) -> int:
-    """`linearize ppl MODEL [--text-file ...] [--dataset ...]`: prints perplexity, NLL and token count."""
+    """`linearize ppl MODEL [--teacher M] [--contexts ...] [--texts ...]`, or `--seq-len N` for one number."""
 
     def body(args: argparse.Namespace) -> int:
-        from rich.table import Table
+        import json
+        from pathlib import Path
 
-        from .models import check_device, load
-        from .perplexity import load_text, perplexity, windows
+        from .models import check_device, is_model_dir, student_config, teacher_spec
+        from .perplexity import context_report, plot_contexts, render_context_table
 
-        windows(2, args.seq_len, args.stride)  # fail on bad --seq-len/--stride before loading anything
+        if args.seq_len is not None:
+            return _sliding_ppl(args)
+        contexts, texts = _contexts(args.contexts), _texts(args.texts)
         check_device(args.device)
-        text = load_text(args.text_file, args.dataset, args.dataset_config, args.split, args.column)
-        model, tokenizer, location = load(args.model, device=args.device)
-        if tokenizer is None:
-            raise FileNotFoundError(f"{location!r} has no tokenizer: save one next to the model")
-        res = perplexity(
-            model, tokenizer, text, args.seq_len, args.stride, args.max_tokens, args.batch_size, progress=True
+        converted = is_model_dir(args.model) and "linearize_teacher" in student_config(args.model)
+        teacher = None
+        if not args.skip_teacher and (args.teacher or converted):
+            teacher = teacher_spec(args.model, args.teacher) if converted else args.teacher
+        report = context_report(
+            args.model, teacher, texts, contexts, args.context_tokens, args.device, args.batch_size, progress=True
         )
-        table = Table(title=f"perplexity of {args.model}")
-        for col in ("ppl", "nll (nats/token)", "tokens", "seq_len / stride"):
-            table.add_column(col, justify="right")
-        table.add_row(f"{res['ppl']:.3f}", f"{res['nll']:.4f}", str(res["tokens"]), f"{args.seq_len} / {args.stride}")
-        _console().print(table)
+        console = _console()
+        for name, rows in report["contexts"].items():
+            console.print(render_context_table(rows, f"perplexity against context: {name}"))
+        plot = args.plot or (str(Path(args.model) / "context.png") if converted else None)
+        if plot:
+            plot_contexts(report["contexts"], plot)
+            if converted:
+                (Path(args.model) / "context.json").write_text(json.dumps(report, indent=1))
+            console.print(f"wrote {plot}")
         return 0
 
     return _run(ppl_parser(), argv, body)

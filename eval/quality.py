@@ -19,6 +19,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .models import check_device, is_model_dir, load, student_config, teacher_spec
+from .perplexity import context_markdown_report, context_report, plot_contexts
 from .tasks import SUFFIX, build_tasks, default_dest, resolve_task_names
 
 log = logging.getLogger(__name__)
@@ -217,10 +218,15 @@ def evaluate(
     batch_size: int = 8,
     device: str = "cpu",
     skip_teacher: bool = False,
+    contexts: list[int] | None = None,
+    texts: dict[str, str] | None = None,
+    context_tokens: int | None = 16384,
 ) -> dict[str, Any]:
-    """Evaluate a converted folder and its teacher; write eval.json, eval.md and the README.md table.
+    """Evaluate a converted folder and its teacher; write eval.json, eval.md and the README.md tables.
 
-    Returns the report written to eval.json (rows, summary, raw lm-eval results, paths).
+    With `contexts` (and held-out `texts`), perplexity against context length is measured too and
+    plotted to context.png: short benchmarks alone say nothing about a linear layer's long-range part.
+    Returns the report written to eval.json (rows, summary, raw lm-eval results, context, paths).
     """
     student_dir = Path(student_dir)
     student_config(student_dir)
@@ -244,6 +250,12 @@ def evaluate(
         "md": str(student_dir / "eval.md"),
         "readme": str(student_dir / "README.md"),
     }
+    context = None
+    if contexts:
+        teacher_dir = teacher_location if teacher_location and is_model_dir(teacher_location) else tspec
+        context = context_report(str(student_dir), teacher_dir, texts or {}, contexts, context_tokens, device)
+        paths["png"] = str(plot_contexts(context["contexts"], student_dir / "context.png"))
+        md += "\n" + context_markdown_report(context)
     report = {
         "student": str(student_dir),
         "teacher": tspec,
@@ -253,6 +265,7 @@ def evaluate(
         "rows": rows,
         "summary": summary,
         "lm_eval": {"student": student_res, "teacher": teacher_res},
+        "context": context,
         "paths": paths,
     }
     Path(paths["json"]).write_text(json.dumps(report, indent=2, default=str))

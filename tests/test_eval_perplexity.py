@@ -11,7 +11,16 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from linearize.eval.perplexity import load_text, perplexity, windows
+from linearize.eval.perplexity import (
+    compare_contexts,
+    context_markdown,
+    load_text,
+    perplexity,
+    perplexity_by_context,
+    plot_contexts,
+    usable_contexts,
+    windows,
+)
 
 VOCAB = 128
 
@@ -116,3 +125,42 @@ def test_load_text_sources(tmp_path):
     assert load_text(dataset=str(folder), split="test", column="body") == "from a dataset folder"
     heldout = load_text()
     assert isinstance(heldout, str) and len(heldout) > 1000
+
+
+def test_perplexity_by_context_matches_hand_computation(tiny):
+    """Each length: non-overlapping windows over the same tokens; every token sees only its own window."""
+    ids = torch.randint(0, VOCAB, (75,), generator=torch.Generator().manual_seed(3)).tolist()
+    rows = perplexity_by_context(tiny, None, ids, contexts=[32, 8, 16])
+    assert [r["context"] for r in rows] == [8, 16, 32]
+    budget = 64  # 74 predictable tokens, cut to a whole number of the longest (32-token) windows
+    for row in rows:
+        L = row["context"]
+        total = 0.0
+        with torch.no_grad():
+            for start in range(0, budget, L):
+                window = torch.tensor([ids[start : start + L + 1]])
+                logp = torch.log_softmax(tiny(window[:, :-1]).logits.double(), -1)
+                total -= logp[0].gather(-1, window[0, 1:, None]).sum().item()
+        assert row["tokens"] == budget
+        assert row["nll"] == pytest.approx(total / budget, rel=1e-5)
+        assert row["ppl"] == pytest.approx(math.exp(total / budget), rel=1e-5)
+
+
+def test_contexts_past_the_model_or_text_are_dropped(tiny):
+    assert usable_contexts([512, 64, 128], n_tokens=200, max_positions=256) == [64, 128]
+    assert usable_contexts([64, 128, 512], n_tokens=10_000, max_positions=256) == [64, 128]
+    with pytest.raises(ValueError, match="too few"):
+        usable_contexts([512], n_tokens=100)
+    rows = perplexity_by_context(tiny, None, list(range(2, 100)), contexts=[16, 512])  # tiny allows 256
+    assert [r["context"] for r in rows] == [16]
+
+
+def test_context_comparison_table_and_plot(tmp_path):
+    student = [{"context": 8, "ppl": 12.0, "tokens": 64}, {"context": 16, "ppl": 10.0, "tokens": 64}]
+    teacher = [{"context": 8, "ppl": 10.0, "tokens": 64}, {"context": 16, "ppl": 8.0, "tokens": 64}]
+    rows = compare_contexts(student, teacher)
+    assert [r["ratio"] for r in rows] == [pytest.approx(1.2), pytest.approx(1.25)]
+    md = context_markdown(rows)
+    assert "| 16 | 64 | 8.00 | 10.00 | 1.250 |" in md
+    png = plot_contexts({"text": rows}, tmp_path / "context.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
