@@ -26,6 +26,17 @@ EXAMPLES = """examples:
 SUBCOMMANDS = ("eval", "bench", "ppl")
 
 
+def _lengths(text: str) -> int | list[int]:
+    """'512' -> 512; '512,2048' -> [512, 2048] (a length curriculum)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 2 for v in values):
+        raise argparse.ArgumentTypeError(f"bad --seq-len {text!r}: give a length such as 512 or lengths such as 512,4096")
+    return values[0] if len(values) == 1 else values
+
+
 def convert_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="linearize",
@@ -61,9 +72,13 @@ def convert_parser() -> argparse.ArgumentParser:
     tr.add_argument("--finetune-loss", choices=["kl", "ce"], help="KL to the teacher's logits or next-token CE")
     tr.add_argument("--lora-rank", type=int)
     tr.add_argument("--lora-targets", help="comma-separated projection names, e.g. q_proj,k_proj,v_proj,o_proj")
-    tr.add_argument("--seq-len", type=int, help="training sequence length (both stages)")
+    tr.add_argument(
+        "--seq-len",
+        type=_lengths,
+        help="training sequence length (both stages), or a curriculum such as 512,2048,4096 (equal token shares)",
+    )
     tr.add_argument("--batch-size", type=int, help="sequences per step per process (both stages)")
-    tr.add_argument("--dataset", help="'embedded', local .txt/.jsonl/.parquet file or folder, or a hub dataset name")
+    tr.add_argument("--dataset", help="'embedded', 'embedded-long' (adds long public-domain plays), local .txt/.jsonl/.parquet file or folder, or a hub dataset name")
     tr.add_argument("--dataset-config", help="hub dataset config name")
     tr.add_argument("--split", help="hub dataset split to train on (default: train)")
     tr.add_argument("--text-field", help="text column of jsonl/parquet/hub data (default: text)")

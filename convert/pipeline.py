@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import json
 import logging
 import os
@@ -98,12 +99,24 @@ def _fingerprint(recipe: Recipe, model: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _stage_data(stage: Stage, tokenizer: PreTrainedTokenizerBase, seed: int) -> torch.Tensor:
-    """Packed, shuffled [N, seq_len] token rows for a stage's budget."""
+def _stage_data(stage: Stage, tokenizer: PreTrainedTokenizerBase, seed: int) -> list[torch.Tensor]:
+    """Packed, shuffled [N, L] token rows for each of the stage's lengths (one tensor per length).
+
+    Offline corpora are read whole, so rows are drawn from all their documents; a hub dataset is
+    streamed only as far as the budget needs.
+    """
     texts = data_lib.load_texts(stage.dataset, stage.split, stage.text_field, stage.dataset_config)
-    rows = data_lib.pack(texts, tokenizer, stage.seq_len, max_tokens=stage.tokens)
-    order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(seed))
-    return rows[order]
+    longest = max(stage.seq_lens)
+    pool = None if data_lib.is_offline(stage.dataset) else max(stage.tokens, longest)
+    stream = data_lib.token_stream(texts, tokenizer, pool)
+    generator = torch.Generator().manual_seed(seed)
+    phases = []
+    for length in stage.seq_lens:
+        rows = data_lib.cut(stream, length)
+        rows = rows[torch.randperm(rows.shape[0], generator=generator)]
+        need = math.ceil(stage.tokens / len(stage.seq_lens) / length)
+        phases.append(rows[: max(1, need)])
+    return phases
 
 
 def _heldout_ppl(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> float:
@@ -257,7 +270,7 @@ def convert(
         stage = dataclasses.replace(recipe.transfer, tokens=min(MEASURE_TOKENS, recipe.transfer.tokens or MEASURE_TOKENS))
         rows = _stage_data(stage, tokenizer, recipe.seed)
         attention_transfer(measured_student, rows, stage, accelerator, None)
-        layer_errors = measure_layer_errors(measured_student, rows[:4])
+        layer_errors = measure_layer_errors(measured_student, rows[0][:4])
         if work is not None:
             work.put("layer_errors", layer_errors)
     errors_list = [layer_errors.get(i, 0.0) for i in range(n_layers)] if layer_errors else None

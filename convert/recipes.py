@@ -39,6 +39,7 @@ class Attention:
     window: int = 0
     sink: int = 0
     chunk_size: int = 64
+    rope_features: bool = True
     seed: int = 0
 
 
@@ -51,8 +52,8 @@ class Stage:
     dataset_config: str | None = None
     split: str = "train"
     text_field: str = "text"
-    seq_len: int = 512
-    batch_size: int = 4
+    seq_len: int | list[int] = 512  # a list is a length curriculum: equal token shares, in the order given
+    batch_size: int = 4  # rows per step at the first length; longer lengths keep its tokens per step
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 0
@@ -61,6 +62,11 @@ class Stage:
     lora_alpha: int = 16
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     checkpoint_every: int = 25  # optimizer steps
+
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [self.seq_len] if isinstance(self.seq_len, int) else list(self.seq_len)
 
 
 @dataclass
@@ -164,6 +170,10 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
         raise ValueError(f"recipe key 'finetune.loss' must be 'kl' or 'ce', got {recipe.finetune.loss!r}")
     if recipe.layers.placement not in ("spread", "top", "measured"):
         raise ValueError(f"recipe key 'layers.placement' must be spread, top or measured, got {recipe.layers.placement!r}")
+    for name in ("transfer", "finetune"):
+        lengths = getattr(recipe, name).seq_lens
+        if not lengths or any(n < 2 for n in lengths):
+            raise ValueError(f"recipe key '{name}.seq_len' must be a length >= 2 or a list of them, got {lengths!r}")
     if recipe.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"recipe key 'dtype' must be auto, float32, bfloat16 or float16, got {recipe.dtype!r}")
     return recipe

@@ -113,6 +113,54 @@ class Checkpoint:
         return self.meta()
 
 
+@dataclass
+class Phase:
+    """One length of a stage's curriculum: packed rows, rows per process per step, and its steps."""
+
+    rows: torch.Tensor  # [N, seq_len]
+    batch_size: int
+    steps: int
+
+    def tokens_per_step(self, world: int) -> int:
+        return self.batch_size * self.rows.shape[1] * world
+
+
+def plan_phases(data: torch.Tensor | list[torch.Tensor], stage: Stage, world: int) -> list[Phase]:
+    """Split the stage's token budget evenly over its lengths (shortest-first curriculum, as given).
+
+    Every phase keeps the first length's tokens per step (`batch_size` rows of it): longer rows come
+    in proportionally smaller batches, so the step count, the learning-rate schedule and the memory
+    per step stay comparable across lengths.
+    """
+    phases = [data] if isinstance(data, torch.Tensor) else list(data)
+    tokens_per_row_step = stage.batch_size * phases[0].shape[1]
+    share = stage.tokens / len(phases)
+    planned = []
+    for rows in phases:
+        batch = max(1, tokens_per_row_step // rows.shape[1])
+        planned.append(Phase(rows, batch, max(1, math.ceil(share / (batch * rows.shape[1] * world)))))
+    return planned
+
+
+def phase_of(phases: list[Phase], step: int) -> tuple[Phase, int]:
+    """The phase a global step falls in, and the step's index inside it."""
+    for phase in phases:
+        if step < phase.steps:
+            return phase, step
+        step -= phase.steps
+    raise IndexError("step past the end of the stage")
+
+
+def tokens_after(phases: list[Phase], steps: int, world: int) -> int:
+    """Tokens the whole stage has trained on after `steps` global steps."""
+    total = 0
+    for phase in phases:
+        done = min(steps, phase.steps)
+        total += done * phase.tokens_per_step(world)
+        steps -= done
+    return total
+
+
 def rows_for_step(data: torch.Tensor, step: int, batch_size: int, rank: int, world: int) -> torch.Tensor:
     """This process's rows of a global step; data cycles when the budget exceeds one epoch."""
     start = (step * world + rank) * batch_size
@@ -136,16 +184,17 @@ def run_loop(
     name: str,
     module: torch.nn.Module,
     params: dict[str, torch.nn.Parameter],
-    data: torch.Tensor,
+    data: torch.Tensor | list[torch.Tensor],
     stage: Stage,
     step_loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
     accelerator: Accelerator,
     work_dir: Path | None,
 ) -> StageResult:
-    """Optimize `params` on `data` for the stage's token budget; checkpointed and resumable."""
+    """Optimize `params` on `data` (one [N, L] tensor, or one per curriculum length) for the stage's
+    token budget; checkpointed and resumable."""
     world, rank = accelerator.num_processes, accelerator.process_index
-    tokens_per_step = stage.batch_size * data.shape[1] * world
-    total = max(1, math.ceil(stage.tokens / tokens_per_step))
+    phases = plan_phases(data, stage, world)
+    total = sum(p.steps for p in phases)
     optimizer = torch.optim.AdamW(params.values(), lr=stage.lr, weight_decay=stage.weight_decay)
     checkpoint = Checkpoint(work_dir, name)
     progress = checkpoint.load(params, optimizer)
@@ -155,7 +204,7 @@ def run_loop(
     result = StageResult(name, resumed_from=progress.get("step", 0))
     result.curve = [tuple(x) for x in progress.get("curve", [])]
     if progress.get("done"):
-        result.steps, result.tokens = progress["step"], progress["step"] * tokens_per_step
+        result.steps, result.tokens = progress["step"], tokens_after(phases, progress["step"], world)
         result.seconds = progress.get("seconds", 0.0)
         logger.info("%s: already complete in the checkpoint (%d steps), skipping", name, result.steps)
         return result
@@ -183,7 +232,8 @@ def run_loop(
     prepared.train()
     try:
         for step in range(result.resumed_from, total):
-            batch = rows_for_step(data, step, stage.batch_size, rank, world).to(accelerator.device)
+            phase, local = phase_of(phases, step)
+            batch = rows_for_step(phase.rows, local, phase.batch_size, rank, world).to(accelerator.device)
             loss = step_loss(prepared, batch)
             if not torch.isfinite(loss.detach()).all():
                 checkpoint.load(params, None)
@@ -198,10 +248,11 @@ def run_loop(
             optimizer.zero_grad(set_to_none=True)
             completed = step + 1
             value = accelerator.reduce(loss.detach(), reduction="mean").item()
-            result.curve.append((completed * tokens_per_step, value))
+            seen = tokens_after(phases, completed, world)
+            result.curve.append((seen, value))
             seconds = time.perf_counter() - started
-            rate = (completed - result.resumed_from) * tokens_per_step / max(seconds, 1e-9)
-            bar.set_postfix(loss=f"{value:.4g}", tok_s=f"{rate:.0f}")
+            rate = (seen - tokens_after(phases, result.resumed_from, world)) / max(seconds, 1e-9)
+            bar.set_postfix(loss=f"{value:.4g}", tok_s=f"{rate:.0f}", len=phase.rows.shape[1])
             bar.update(1)
             if completed % stage.checkpoint_every == 0 and completed < total:
                 save(completed)
@@ -213,7 +264,7 @@ def run_loop(
     finally:
         bar.close()
     save(completed, done=True)
-    result.steps, result.tokens = completed, completed * tokens_per_step
+    result.steps, result.tokens = completed, tokens_after(phases, completed, world)
     result.seconds = elapsed + time.perf_counter() - started
     return result
 
