@@ -22,6 +22,9 @@ LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     "window": 0,  # >0: softmax over the last `window` tokens mixed into the linear layer
     "sink": 0,  # with a window: the first `sink` tokens also stay in the softmax part (attention sinks)
     "chunk_size": 64,
+    # True: feature maps see RoPE'd q/k, as the teacher's softmax does. False: q/k before RoPE, so the
+    # linear state is position-free (recency comes from the decay) and holds up past the training length.
+    "rope_features": True,
     "seed": 0,  # performer random features are drawn from this seed and saved as a buffer
 }
 

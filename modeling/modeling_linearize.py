@@ -140,15 +140,20 @@ class AttentionProjections(nn.Module):
 
     def project(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
         """-> q [B, H, T, D], k and v [B, Hkv, T, D], with norms and RoPE applied as in the teacher."""
+        q, k, v = self.project_unrotated(hidden_states)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def project_unrotated(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [B, H, T, D], k and v [B, Hkv, T, D] with the teacher's q/k norms but before RoPE."""
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape)
         k = self.k_proj(hidden_states).view(shape)
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return q, k, v
+        return q.transpose(1, 2), k.transpose(1, 2), v
 
     def softmax_attention(self, q, k, v, attention_mask, **kwargs) -> torch.Tensor:
         """The teacher's attention on already-projected q/k/v -> [B, T, H*D] (before o_proj)."""
@@ -366,6 +371,7 @@ class LinearAttention(AttentionProjections):
         self.map_name = settings["feature_map"]
         self.normalize = settings["normalize"]
         self.chunk_size = settings["chunk_size"]
+        self.rope_features = settings["rope_features"]
         self.window = settings["window"] if config.layer_types[layer_idx] == "hybrid_sliding" else 0
         self.sink = settings["sink"] if self.window else 0
         self.form: str | None = None
@@ -418,9 +424,12 @@ class LinearAttention(AttentionProjections):
         return self.gate(hidden_states) if self.gate is not None else key_gate(k)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache: Cache | None = None, **kwargs):
-        q, k, v = self.project(hidden_states, position_embeddings)
+        q_raw, k_raw, v = self.project_unrotated(hidden_states)
+        q, k = apply_rotary_pos_emb(q_raw, k_raw, *position_embeddings)
         B, T = hidden_states.shape[:2]
-        out = self._attend(hidden_states, q, k, v, attention_mask, cache)
+        if self.rope_features:
+            q_raw, k_raw = q, k
+        out = self._attend(hidden_states, q, k, v, q_raw, k_raw, attention_mask, cache)
         out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1).to(hidden_states.dtype))
         if not self.transfer:
             return out
@@ -432,8 +441,13 @@ class LinearAttention(AttentionProjections):
         self.transfer_loss = F.mse_loss(out.float(), teacher.float())
         return teacher
 
-    def _attend(self, hidden_states, q, k, v, mask2d, cache):
-        """The linear (+ window) attention output [B, H, T, D]."""
+    def _attend(self, hidden_states, q, k, v, q_feat, k_feat, mask2d, cache):
+        """The linear (+ window) attention output [B, H, T, D].
+
+        q, k are RoPE'd (the softmax window and sinks use them); q_feat, k_feat are what the feature
+        maps see: the same tensors, or q/k before RoPE when `rope_features` is off. Then keys waiting
+        in the window cache carry their unrotated copy beside the value, to enter the state later.
+        """
         B, T = q.shape[0], q.shape[2]
         g = self._decay(hidden_states, k)
         valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if mask2d is None else mask2d[:, -T:].bool()
@@ -446,7 +460,12 @@ class LinearAttention(AttentionProjections):
                 seen = layer.cumulative_length
                 sinks = self._load_sinks(layer)
                 k_new, v_new = k, v
-                k, v = cache.update(k, v, self.layer_idx)
+                if self.rope_features:
+                    k, v = cache.update(k, v, self.layer_idx)
+                    k_feat = k
+                else:
+                    k, values = cache.update(k, torch.cat([v, k_feat], dim=-1), self.layer_idx)
+                    v, k_feat = values[..., : self.head_dim], values[..., self.head_dim :]
             else:
                 k_new, v_new = k, v
             key_valid = mask2d[:, -k.shape[2] :].bool() if mask2d is not None else valid.new_ones(B, k.shape[2])
@@ -456,7 +475,7 @@ class LinearAttention(AttentionProjections):
                 sinks = update_sinks(sinks, k_new, v_new, positions, valid, self.sink)
                 window_terms = add_sink_terms(window_terms, q, sinks, positions, self.window, self.scaling)
                 self._save_sinks(cache, sinks)
-            k, v = (shift_into_state(x[:, :, n_past:], x[:, :, :n_past], self.window) for x in (k, v))
+            k_feat, v = (shift_into_state(x[:, :, n_past:], x[:, :, :n_past], self.window) for x in (k_feat, v))
             valid_all = key_valid[:, None, :, None]
             valid = shift_into_state(valid_all[:, :, n_past:], valid_all[:, :, :n_past], self.window)[:, 0, :, 0]
             if self.sink:
@@ -467,7 +486,7 @@ class LinearAttention(AttentionProjections):
         v = v * keep
         if g is not None:
             g = g * keep
-        fq, fk = self._query_features(q), self._key_features(k)
+        fq, fk = self._query_features(q_feat), self._key_features(k_feat)
         state, stabilizer = self._load_state(cache)
         q_stab = key_stab = None
         if self.map_name == "performer":

@@ -156,6 +156,10 @@ FORM_CASES = {
         [HYB, HYB],
         {"kind": "performer", "feature_map": "performer", "feature_dim": 48, "window": 4, "sink": 3, "chunk_size": 16},
     ),
+    "gla-hedgehog-lowrank-window4-sink2-unrotated": (
+        [HYB, FULL, HYB],
+        {"gate": "lowrank", "window": 4, "sink": 2, "chunk_size": 16, "rope_features": False},
+    ),
 }
 
 
@@ -190,18 +194,20 @@ def test_decays_really_vary():
     assert g.std(dim=-1).mean() > 0.1  # varies over channels
 
 
-def dense_linear_attention(layer: LinearAttention, hidden: torch.Tensor, q, k, v) -> torch.Tensor:
+def dense_linear_attention(layer: LinearAttention, hidden: torch.Tensor, q, k, v, q_feat=None, k_feat=None) -> torch.Tensor:
     """The layer's math written out densely (no chunks, no states): o_i = sum_j A_ij v_j / sum_j A_ij.
 
     A key j enters the decaying state when it leaves the window (step j + W) and is decayed by every
     later step: A_ij = (1 - w) phi(q_i).(phi(k_j) * exp(b_i - b_{j+W})) for j <= i - W; the last W
     keys get w * exp(q_i.k_j / sqrt(D) - c_i) with c_i their max score (LoLCATs); w = sigmoid(window_factor).
     The first S tokens (attention sinks) always take the softmax side and never enter the state.
+    The feature maps see q_feat/k_feat (q/k before RoPE) when given, else the RoPE'd q/k.
     """
     groups, W, S = layer.num_key_value_groups, layer.window, layer.sink
     T = q.shape[2]
     g = layer._decay(hidden, k)
-    fq, fk = layer._query_features(q), layer._key_features(k)
+    fq = layer._query_features(q if q_feat is None else q_feat)
+    fk = layer._key_features(k if k_feat is None else k_feat)
     b = torch.zeros_like(fk) if g is None else g.to(fk.dtype).expand_as(fk).contiguous()
     b = repeat_kv(b.cumsum(2), groups)
     fk, k, v = repeat_kv(fk, groups), repeat_kv(k, groups), repeat_kv(v, groups)
@@ -231,6 +237,8 @@ DENSE_CASES = {
     "hedgehog-lowrank-window4-sink2": ([HYB], {"gate": "lowrank", "window": 4, "sink": 2}),
     "elu-nogate-window4": ([HYB], {"feature_map": "elu", "gate": "none", "window": 4}),
     "identity-unnormalized-lowrank": ([LIN], {"feature_map": "identity", "normalize": False}),
+    "hedgehog-lowrank-window4-sink2-unrotated": ([HYB], {"gate": "lowrank", "window": 4, "sink": 2, "rope_features": False}),
+    "hedgehog-lowrank-unrotated": ([LIN], {"gate": "lowrank", "rope_features": False}),
 }
 
 
@@ -249,7 +257,11 @@ def test_linear_layer_matches_dense_math(case, form):
     position_embeddings = model.model.rotary_emb(hidden, torch.arange(37)[None])
     got = attn(hidden, position_embeddings)
     q, k, v = attn.project(hidden, position_embeddings)
-    expected = dense_linear_attention(attn, hidden, q, k, v)
+    q_raw, k_raw, _ = attn.project_unrotated(hidden)
+    unrotated = not settings.get("rope_features", True)
+    expected = dense_linear_attention(attn, hidden, q, k, v, *((q_raw, k_raw) if unrotated else (None, None)))
+    if unrotated:  # the check must be able to fail: RoPE'd features give another answer
+        assert not torch.allclose(got, attn.o_proj(dense_linear_attention(attn, hidden, q, k, v).transpose(1, 2).reshape(2, 37, -1)), atol=1e-4)
     expected = attn.o_proj(expected.transpose(1, 2).reshape(2, 37, -1))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -276,6 +288,8 @@ PLANS = {
     "linear": ([LIN, FULL, LIN], {"chunk_size": 16}),
     "hybrid_sliding": ([HYB, FULL, HYB], {"window": 4, "chunk_size": 16}),
     "hybrid_sliding_sinks": ([HYB, FULL, HYB], {"window": 4, "sink": 3, "chunk_size": 16}),
+    "hybrid_sliding_sinks_unrotated": ([HYB, FULL, HYB], {"window": 4, "sink": 3, "chunk_size": 16, "rope_features": False}),
+    "linear_unrotated": ([LIN, FULL, LIN], {"chunk_size": 16, "rope_features": False}),
     "all_linear": ([LIN, LIN, LIN], {"chunk_size": 16}),
     "all_hybrid_performer": ([HYB, HYB, HYB], {"kind": "performer", "feature_map": "performer", "window": 4}),
 }
