@@ -2,6 +2,7 @@
 
     linearize --model llama --ratio 3:1 --attention gla --output out/smollm2
     linearize eval DIR | linearize bench DIR | linearize bench --kernels | linearize ppl MODEL
+    linearize recall DIR
 
 Library code only logs; this module renders (rich tables, one-line errors, exit codes).
 """
@@ -23,7 +24,7 @@ EXAMPLES = """examples:
   linearize eval out/smollm2 --limit 200        linearize bench out/smollm2 --contexts 1024,4096
 """
 
-SUBCOMMANDS = ("eval", "bench", "ppl")
+SUBCOMMANDS = ("eval", "bench", "ppl", "recall")
 
 
 def _lengths(text: str) -> int | list[int]:
@@ -33,7 +34,7 @@ def _lengths(text: str) -> int | list[int]:
     except ValueError:
         values = []
     if not values or any(v < 2 for v in values):
-        raise argparse.ArgumentTypeError(f"bad --seq-len {text!r}: give a length such as 512 or lengths such as 512,4096")
+        raise ValueError(f"bad --seq-len {text!r}: give a length such as 512 or lengths such as 512,4096")
     return values[0] if len(values) == 1 else values
 
 
@@ -42,7 +43,7 @@ def convert_parser() -> argparse.ArgumentParser:
         prog="linearize",
         description="Convert a softmax-attention LLM into a hybrid linear-attention model, recover its quality "
         "by attention transfer and LoRA, and export a transformers model. Other verbs: "
-        "`linearize eval DIR`, `linearize bench DIR`, `linearize ppl MODEL` (each has --help).",
+        "`linearize eval DIR`, `linearize bench DIR`, `linearize ppl MODEL`, `linearize recall DIR` (each has --help).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -74,7 +75,6 @@ def convert_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lora-targets", help="comma-separated projection names, e.g. q_proj,k_proj,v_proj,o_proj")
     tr.add_argument(
         "--seq-len",
-        type=_lengths,
         help="training sequence length (both stages), or a curriculum such as 512,2048,4096 (equal token shares)",
     )
     tr.add_argument("--batch-size", type=int, help="sequences per step per process (both stages)")
@@ -150,7 +150,8 @@ def recipe_from_args(args: argparse.Namespace):
             ("text_field", "text_field"),
             ("checkpoint_every", "checkpoint_every"),
         ):
-            overrides[f"{stage}.{key}"] = getattr(args, flag)
+            value = getattr(args, flag)
+            overrides[f"{stage}.{key}"] = _lengths(value) if flag == "seq_len" and value is not None else value
     return apply_overrides(recipe, overrides)
 
 
@@ -239,7 +240,13 @@ def main(argv: list[str] | None = None) -> int:
                 from ..eval.kernel_bench import kernel_bench_main
 
                 return kernel_bench_main([a for a in rest if a != "--kernels"])
-            return {"eval": eval_cli.eval_main, "bench": eval_cli.bench_main, "ppl": eval_cli.ppl_main}[verb](rest)
+            verbs = {
+                "eval": eval_cli.eval_main,
+                "bench": eval_cli.bench_main,
+                "ppl": eval_cli.ppl_main,
+                "recall": eval_cli.recall_main,
+            }
+            return verbs[verb](rest)
         return convert_main(argv)
     except StageInterrupted as err:
         print(f"linearize: {err}", file=sys.stderr)
