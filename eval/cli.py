@@ -1,4 +1,4 @@
-"""`linearize eval`, `linearize bench` and `linearize ppl`: argument parsing and rich rendering.
+"""`linearize eval`, `linearize bench`, `linearize ppl` and `linearize recall`: argument parsing and rich rendering.
 
 Each entry point takes argv without the subcommand and returns an exit code: 0 on success, 2 on a
 bad input (printed as one line naming the fix).
@@ -253,3 +253,62 @@ def ppl_main(argv: list[str] | None = None) -> int:
         return 0
 
     return _run(ppl_parser(), argv, body)
+
+
+def recall_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="linearize recall",
+        description="Long-context recall (passkey, needle-in-a-haystack, variable tracking) of a converted model "
+        "and its teacher over a grid of context lengths and needle depths, as lm-eval tasks; writes "
+        "recall.json, recall.md, recall.png and the README.md table into DIR.",
+    )
+    p.add_argument("dir", help="converted model folder (the --output of `linearize`)")
+    p.add_argument("--teacher", default=None, help="teacher model (default: the one recorded in DIR/config.json)")
+    p.add_argument("--lengths", default="1024,2048,4096,8192", help="context lengths in tokens (default %(default)s)")
+    p.add_argument(
+        "--depths", default="0,25,50,75,100", help="needle depths, percent of the haystack (default %(default)s)"
+    )
+    p.add_argument("--samples", type=int, default=1, help="documents per task, length and depth (default 1)")
+    p.add_argument(
+        "--tasks",
+        default="passkey,niah_single,niah_multikey,variable_tracking",
+        help="comma-separated (default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated documents (default 0)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--skip-teacher", action="store_true", help="evaluate only the student")
+    _common(p)
+    return p
+
+
+def recall_main(argv: list[str] | None = None) -> int:
+    """`linearize recall DIR [--teacher M] [--lengths ...] [--depths ...] [--samples N] [--tasks ...]`."""
+
+    def body(args: argparse.Namespace) -> int:
+        from .bench import parse_int_list
+        from .recall import parse_depths, parse_tasks, render_table, run_recall
+
+        lengths = parse_int_list(args.lengths, "lengths")
+        depths, tasks = parse_depths(args.depths), parse_tasks(args.tasks)
+        report = run_recall(
+            args.dir,
+            teacher=args.teacher,
+            lengths=lengths,
+            depths=depths,
+            samples=args.samples,
+            tasks=tasks,
+            device=args.device,
+            batch_size=args.batch_size,
+            skip_teacher=args.skip_teacher,
+            seed=args.seed,
+        )
+        console = _console()
+        console.print(render_table(report))
+        dropped = report["settings"]["dropped_lengths"]
+        if dropped:
+            console.print(f"dropped lengths {dropped}: beyond the models' context")
+        paths = report["paths"]
+        console.print(f"wrote {paths['json']}, {paths['md']}, {paths['png']} and the table in {paths['readme']}")
+        return 0
+
+    return _run(recall_parser(), argv, body)
