@@ -35,6 +35,7 @@ class Attention:
     feature_dim: int | None = None
     gate: str = "lowrank"
     gate_rank: int = 16
+    decay_init: list[float] = field(default_factory=lambda: [0.995, 0.9998])
     normalize: bool = True
     window: int = 0
     sink: int = 0

@@ -18,6 +18,7 @@ LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     "feature_dim": None,  # hedgehog: per-half width (default head_dim); performer: random features (default 4*head_dim)
     "gate": "lowrank",  # gla: "lowrank" (learned, per key channel) | "key" (no weights) | "none"
     "gate_rank": 16,
+    "decay_init": [0.995, 0.9998],  # lowrank gate: initial decays, spread over the key channels
     "normalize": True,  # divide by phi(q).z
     "window": 0,  # >0: softmax over the last `window` tokens mixed into the linear layer
     "sink": 0,  # with a window: the first `sink` tokens also stay in the softmax part (attention sinks)
@@ -134,6 +135,9 @@ class LinearizeConfig(PretrainedConfig):
             raise ValueError(f"linear_attention.gate={settings['gate']!r}: use lowrank, key or none")
         if settings["kind"] == "gla" and settings["feature_map"] == "performer" and settings["gate"] != "none":
             raise ValueError("performer features carry their own stabilizer decay: use gate='none' with them")
+        decay = settings["decay_init"]
+        if not (isinstance(decay, (list, tuple)) and len(decay) == 2 and all(0 < float(d) < 1 for d in decay)):
+            raise ValueError(f"linear_attention.decay_init={decay!r}: use two decays in (0, 1), e.g. [0.995, 0.9998]")
         sink = settings["sink"]
         if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
             raise ValueError(f"linear_attention.sink={sink!r}: use a non-negative integer (0 = no sinks)")

@@ -204,15 +204,18 @@ class HedgehogFeatureMap(nn.Module):
 class LowRankGate(nn.Module):
     """Data-dependent decay a_t = exp(logsigmoid(up(down(x)))/16) per KV head and key channel.
 
-    `up` starts at zero and its bias spreads the decays over 0.995..0.9998: the layer begins as a
-    slowly-forgetting linear attention and learns where to forget.
+    `up` starts at zero and its bias spreads the decays over `decay_init` (0.995..0.9998 by default,
+    memory spans of about 200 to 5000 tokens): the layer begins as a slowly-forgetting linear
+    attention and learns where to forget.
     """
 
     normalizer = 16.0
 
-    def __init__(self, hidden_size: int, heads: int, channels: int, rank: int):
+    def __init__(
+        self, hidden_size: int, heads: int, channels: int, rank: int, decay_init: tuple[float, float] = (0.995, 0.9998)
+    ):
         super().__init__()
-        self.heads, self.channels = heads, channels
+        self.heads, self.channels, self.decay_init = heads, channels, tuple(decay_init)
         self.down = nn.Linear(hidden_size, rank, bias=False)
         self.up = nn.Linear(rank, heads * channels, bias=True)
         self.reset_parameters()
@@ -221,7 +224,7 @@ class LowRankGate(nn.Module):
     def reset_parameters(self) -> None:
         init.normal_(self.down.weight, std=self.down.in_features**-0.5)
         init.zeros_(self.up.weight)
-        decay = torch.linspace(0.995, 0.9998, self.channels, dtype=torch.float64).repeat(self.heads)
+        decay = torch.linspace(*self.decay_init, self.channels, dtype=torch.float64).repeat(self.heads)
         # logsigmoid(b) / 16 = log(decay)  =>  b = logit(decay ** 16)
         init.copy_(self.up.bias, torch.logit(decay.pow(self.normalizer)).to(self.up.bias.dtype))
 
@@ -392,7 +395,9 @@ class LinearAttention(AttentionProjections):
             channels = D
         self.gate = None
         if self.kind == "gla" and settings["gate"] == "lowrank":
-            self.gate = LowRankGate(config.hidden_size, self.num_kv_heads, channels, settings["gate_rank"])
+            self.gate = LowRankGate(
+                config.hidden_size, self.num_kv_heads, channels, settings["gate_rank"], settings["decay_init"]
+            )
         if self.window and self.map_name != "performer":
             self.window_factor = nn.Parameter(torch.full((self.num_heads,), WINDOW_FACTOR_INIT))
 

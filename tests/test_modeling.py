@@ -630,6 +630,7 @@ def test_bad_layer_plan_through_swap():
         ([LIN, LIN], {"kind": "performer", "feature_map": "performer", "normalize": False}, r"normalize=true"),
         ([HYB, LIN], {"window": 4, "normalize": False}, r"window needs normalize=true"),
         ([HYB, LIN], {}, r"hybrid_sliding layers need linear_attention.window > 0"),
+        ([LIN, LIN], {"decay_init": [0.9, 1.0]}, r"decay_init=\[0.9, 1.0\].*two decays in \(0, 1\)"),
     ],
 )
 def test_bad_linear_attention_settings_raise(layer_types, settings, pattern):
