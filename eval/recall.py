@@ -497,6 +497,19 @@ def recall_grid(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
     }
 
 
+def responses(samples: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """What the model generated for each document, beside the answer: to see how a cell failed."""
+    return [
+        {
+            **{k: row["doc"][k] for k in ("task", "length", "depth", "sample", "answer")},
+            "generation": row["resps"][0][0],
+            "correct": bool(row["exact_match"]),
+        }
+        for rows in samples.values()
+        for row in rows
+    ]
+
+
 def _context_limit(config: dict[str, Any]) -> int | None:
     for key in ("max_position_embeddings", "n_positions", "n_ctx"):
         if isinstance(config.get(key), int):
@@ -609,7 +622,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     s = report["settings"]
     tasks, lengths, depths = s["tasks"], s["lengths"], s["depths"]
     models = [m for m in ("teacher", "student") if report["grid"].get(m)]
-    size = (1.5 + 0.9 * len(depths) * len(tasks), 1.0 + 0.5 * len(lengths) * len(models))
+    size = (1.5 + max(2.8, 0.9 * len(depths)) * len(tasks), 0.8 + max(1.8, 0.5 * len(lengths)) * len(models))
     fig, axes = plt.subplots(len(models), len(tasks), figsize=size, squeeze=False, layout="constrained")
     image = None
     for row, model in enumerate(models):
@@ -629,7 +642,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             if row == len(models) - 1:
                 ax.set_xlabel("needle depth")
             if col == 0:
-                ax.set_ylabel("context (tokens)")
+                ax.set_ylabel("context")
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
     path = Path(path)
@@ -655,7 +668,7 @@ def run_recall(
 
     Both models see the same documents, measured with the student's tokenizer (a conversion keeps
     the teacher's). Lengths beyond either model's context (max_position_embeddings) are dropped.
-    Returns the report written to recall.json.
+    Returns the report written to recall.json (settings, grid, summary, each generation, paths).
     """
     from transformers import AutoTokenizer
 
@@ -690,6 +703,7 @@ def run_recall(
         del teacher_model
     outputs["student"] = evaluate_tasks(str(student_dir), include, task_names, device, batch_size)
     grid = {role: recall_grid(out["samples"]) for role, out in outputs.items()}
+    generations = {role: responses(out["samples"]) for role, out in outputs.items()}
     report: dict[str, Any] = {
         "student": str(student_dir),
         "teacher": tspec,
@@ -707,6 +721,7 @@ def run_recall(
         },
         "chance": {t: CHANCE[t] for t in names},
         "grid": grid,
+        "responses": generations,
     }
     report["summary"] = summarize(grid, names, kept, depths)
     note = (

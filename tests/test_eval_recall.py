@@ -196,6 +196,7 @@ def test_run_recall_on_tiny_llama(tiny_llama_dir, tmp_path, one_torch_thread):
     for role in ("teacher", "student"):
         cells = report["grid"][role]["passkey"]["256"]
         assert set(cells) == {"0", "100"} and all(0.0 <= v <= 1.0 for v in cells.values())
+    assert [(r["depth"], r["answer"].isdigit()) for r in report["responses"]["student"]] == [(0.0, True), (1.0, True)]
     saved = json.loads((student / "recall.json").read_text())
     assert saved["grid"] == report["grid"] and set(saved["summary"]["ratio"]["passkey"]["256"]) == {"0", "100"}
     assert (student / "recall.png").stat().st_size > 0
