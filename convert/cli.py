@@ -64,6 +64,11 @@ def convert_parser() -> argparse.ArgumentParser:
     att.add_argument("--feature-dim", type=int, help="hedgehog width per half, or Performer random features")
     att.add_argument("--gate", choices=["lowrank", "key", "none"], help="GLA decay gate")
     att.add_argument("--window", type=int, help="softmax window (tokens) mixed into each linear layer; 0 disables")
+    att.add_argument(
+        "--rope-features",
+        choices=["on", "off"],
+        help="on: feature maps see RoPE'd q/k; off: q/k before RoPE, a position-free state that holds up at length",
+    )
     att.add_argument("--sink", type=int, help="first tokens that always stay in the softmax window (attention sinks)")
     tr = p.add_argument_group("training")
     tr.add_argument("--transfer-tokens", type=int, help="stage 1 (attention transfer) token budget; 0 skips it")
@@ -125,6 +130,7 @@ def recipe_from_args(args: argparse.Namespace):
         "attention.gate": args.gate,
         "attention.window": args.window,
         "attention.sink": args.sink,
+        "attention.rope_features": None if args.rope_features is None else args.rope_features == "on",
         "transfer.tokens": args.transfer_tokens,
         "transfer.lr": args.transfer_lr,
         "finetune.tokens": args.finetune_tokens,

@@ -35,6 +35,7 @@ from .train import StageResult, attention_transfer, lora_finetune, measure_layer
 logger = logging.getLogger(__name__)
 
 MEASURE_TOKENS = 8192  # stage-1 budget of the all-linear pass that `measured` placement ranks layers with
+MEASURE_ROWS_TOKENS = 2048  # tokens its per-layer errors are measured on
 
 
 @dataclass
@@ -270,7 +271,9 @@ def convert(
         stage = dataclasses.replace(recipe.transfer, tokens=min(MEASURE_TOKENS, recipe.transfer.tokens or MEASURE_TOKENS))
         rows = _stage_data(stage, tokenizer, recipe.seed)
         attention_transfer(measured_student, rows, stage, accelerator, None)
-        layer_errors = measure_layer_errors(measured_student, rows[0][:4])
+        # Ranked at the longest training length: a layer that reaches far back is the one to keep softmax.
+        longest = rows[-1]
+        layer_errors = measure_layer_errors(measured_student, longest[: max(1, MEASURE_ROWS_TOKENS // longest.shape[1])])
         if work is not None:
             work.put("layer_errors", layer_errors)
     errors_list = [layer_errors.get(i, 0.0) for i in range(n_layers)] if layer_errors else None
