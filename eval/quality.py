@@ -180,16 +180,19 @@ def markdown_table(rows: list[dict[str, Any]], summary: dict[str, Any], note: st
     return "\n".join(lines) + "\n"
 
 
-def update_model_card(readme: Path, markdown: str) -> None:
-    """Put `markdown` between the eval markers of README.md, replacing an earlier block or appending one."""
+def update_model_card(
+    readme: Path, markdown: str, markers: tuple[str, str] = (BEGIN, END), heading: str = "Evaluation"
+) -> None:
+    """Put `markdown` between `markers` in README.md, replacing an earlier block or appending one under `heading`."""
     readme = Path(readme)
-    block = f"{BEGIN}\n{markdown.rstrip()}\n{END}"
+    begin, end = markers
+    block = f"{begin}\n{markdown.rstrip()}\n{end}"
     text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text, count=1)
     else:
-        text = (text.rstrip() + "\n\n## Evaluation\n\n" if text.strip() else "## Evaluation\n\n") + block + "\n"
+        text = (text.rstrip() + "\n\n" if text.strip() else "") + f"## {heading}\n\n" + block + "\n"
     tmp = readme.with_name(f".{readme.name}.{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(readme)

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from .quality import update_model_card
 from .tasks import default_dest as _tasks_dest
 
 if TYPE_CHECKING:
@@ -738,22 +739,8 @@ def run_recall(
     tmp = student_dir / f".recall.json.{os.getpid()}"
     tmp.write_text(json.dumps(report, indent=2))
     tmp.replace(paths["json"])
-    update_model_card(Path(paths["readme"]), md)
+    update_model_card(Path(paths["readme"]), md, (BEGIN, END), heading="Long-context recall")
     return report
-
-
-def update_model_card(readme: Path, markdown: str) -> None:
-    """Put `markdown` between the recall markers of README.md (beside the eval block), replacing an earlier one."""
-    block = f"{BEGIN}\n{markdown.rstrip()}\n{END}"
-    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text, count=1)
-    else:
-        text = (text.rstrip() + "\n\n" if text.strip() else "") + "## Long-context recall\n\n" + block + "\n"
-    tmp = readme.with_name(f".{readme.name}.{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(readme)
 
 
 def parse_depths(text: str) -> list[float]:
