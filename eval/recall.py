@@ -533,6 +533,33 @@ def _resolve_teacher(
     return model, tokenizer, location, model.config.to_dict()
 
 
+def teacher_outputs(
+    teacher_model: str | PreTrainedModel,
+    location: str,
+    include: Path,
+    task_names: list[str],
+    device: str,
+    batch_size: int,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> dict[str, Any]:
+    """The teacher's logged samples on these task files, computed once and kept beside them.
+
+    The teacher and the documents do not change between conversions, and at 8K tokens it is the
+    slow half of a run on CPU; a cached result is reused when the same teacher meets the same files.
+    """
+    key = hashlib.sha256(json.dumps([str(location), sorted(task_names)]).encode()).hexdigest()[:12]
+    cached = Path(include) / f"teacher-{key}.json"
+    if cached.is_file():
+        log.info("reusing the teacher's recall samples from %s", cached)
+        return json.loads(cached.read_text())
+    out = evaluate_tasks(teacher_model, include, task_names, device, batch_size, tokenizer)
+    kept = {"samples": out["samples"], "lm_eval_version": out.get("lm_eval_version")}
+    tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(kept, default=str))
+    tmp.replace(cached)
+    return json.loads(cached.read_text())
+
+
 def _ratio(student: float | None, teacher: float | None) -> float | None:
     return student / teacher if student is not None and teacher else None
 
@@ -700,7 +727,9 @@ def run_recall(
     task_names = _names(names, kept)
     outputs: dict[str, dict[str, Any]] = {}
     if teacher_model is not None:
-        outputs["teacher"] = evaluate_tasks(teacher_model, include, task_names, device, batch_size, teacher_tokenizer)
+        outputs["teacher"] = teacher_outputs(
+            teacher_model, teacher_location, include, task_names, device, batch_size, teacher_tokenizer
+        )
         del teacher_model
     outputs["student"] = evaluate_tasks(str(student_dir), include, task_names, device, batch_size)
     grid = {role: recall_grid(out["samples"]) for role, out in outputs.items()}

@@ -178,20 +178,28 @@ def test_summary_and_tables():
     R.render_table(report)
 
 
-def test_run_recall_on_tiny_llama(tiny_llama_dir, tmp_path, one_torch_thread):
-    """End to end through lm-eval's `hf` model: grid shape, dropped lengths, report files, model card."""
+def test_run_recall_on_tiny_llama(tiny_llama_dir, tmp_path, one_torch_thread, monkeypatch):
+    """End to end through lm-eval's `hf` model: grid shape, dropped lengths, report files, model card,
+    and the teacher evaluated once: its samples are reused by the second run."""
     student = tmp_path / "student"
     shutil.copytree(tiny_llama_dir, student)
     (student / "README.md").write_text("# tiny\n\n<!-- linearize-eval -->\neval table\n<!-- /linearize-eval -->\n")
+    evaluated = []
+    real = R.evaluate_tasks
+    monkeypatch.setattr(R, "evaluate_tasks", lambda model, *a, **k: evaluated.append(str(model)) or real(model, *a, **k))
+    grids = []
     for _ in range(2):  # the second run replaces the card block instead of adding one
-        report = R.run_recall(
+        grids.append(R.run_recall(
             student,
             teacher=str(tiny_llama_dir),
             lengths=(256, 1024),  # 1024 exceeds the tiny llama's 512 positions
             depths=(0.0, 1.0),
             tasks=["passkey"],
             dest=tmp_path / "tasks",
-        )
+        ))
+    report = grids[-1]
+    assert evaluated == [str(tiny_llama_dir), str(student), str(student)]
+    assert grids[0]["grid"] == grids[1]["grid"]
     assert report["settings"]["lengths"] == [256] and report["settings"]["dropped_lengths"] == [1024]
     for role in ("teacher", "student"):
         cells = report["grid"][role]["passkey"]["256"]
