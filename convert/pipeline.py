@@ -271,9 +271,10 @@ def convert(
         stage = dataclasses.replace(recipe.transfer, tokens=min(MEASURE_TOKENS, recipe.transfer.tokens or MEASURE_TOKENS))
         rows = _stage_data(stage, tokenizer, recipe.seed)
         attention_transfer(measured_student, rows, stage, accelerator, None)
-        # Ranked at the longest training length: a layer that reaches far back is the one to keep softmax.
-        longest = rows[-1]
-        layer_errors = measure_layer_errors(measured_student, longest[: max(1, MEASURE_ROWS_TOKENS // longest.shape[1])])
+        # Ranked on rows of the first (shortest) length: ranking on one long row instead was measured
+        # worse at every context (README, "Length").
+        first = rows[0]
+        layer_errors = measure_layer_errors(measured_student, first[: max(1, MEASURE_ROWS_TOKENS // first.shape[1])])
         if work is not None:
             work.put("layer_errors", layer_errors)
     errors_list = [layer_errors.get(i, 0.0) for i in range(n_layers)] if layer_errors else None
