@@ -267,14 +267,20 @@ def convert(
     if recipe.layers.placement == "measured" and not recipe.layers.linear_layers and not layer_errors:
         logger.info("measuring every layer as linear with a short attention transfer")
         all_linear = plan_layers(n_layers, window, linear_layers=list(range(n_layers)))
-        measured_student = linearize_model(teacher, all_linear, settings, spec)
-        stage = dataclasses.replace(recipe.transfer, tokens=min(MEASURE_TOKENS, recipe.transfer.tokens or MEASURE_TOKENS))
-        rows = _stage_data(stage, tokenizer, recipe.seed)
+        # Layers are ranked with the feature maps on RoPE'd q/k, as the teacher sees them: that ranking
+        # measured better for students of either kind (README, "Length").
+        measure_settings = {**settings, "rope_features": True}
+        measured_student = linearize_model(teacher, all_linear, measure_settings, spec)
+        stage = dataclasses.replace(
+            recipe.transfer,
+            tokens=min(MEASURE_TOKENS, recipe.transfer.tokens or MEASURE_TOKENS),
+            seq_len=recipe.transfer.seq_lens[0],
+        )
+        rows = _stage_data(stage, tokenizer, recipe.seed)[0]
         attention_transfer(measured_student, rows, stage, accelerator, None)
-        # Ranked on rows of the first (shortest) length: ranking on one long row instead was measured
-        # worse at every context (README, "Length").
-        first = rows[0]
-        layer_errors = measure_layer_errors(measured_student, first[: max(1, MEASURE_ROWS_TOKENS // first.shape[1])])
+        layer_errors = measure_layer_errors(measured_student, rows[: max(1, MEASURE_ROWS_TOKENS // rows.shape[1])])
+        if measure_settings != settings:
+            measured_student = None  # its maps were fit to other inputs: no use as a starting point
         if work is not None:
             work.put("layer_errors", layer_errors)
     errors_list = [layer_errors.get(i, 0.0) for i in range(n_layers)] if layer_errors else None
