@@ -77,6 +77,7 @@ def convert_parser() -> argparse.ArgumentParser:
     tr.add_argument("--finetune-lr", type=float)
     tr.add_argument("--finetune-loss", choices=["kl", "ce"], help="KL to the teacher's logits or next-token CE")
     tr.add_argument("--lora-rank", type=int)
+    tr.add_argument("--lora-layers", choices=["linear", "all"], help="LoRA on the swapped layers only, or on every layer")
     tr.add_argument("--lora-targets", help="comma-separated projection names, e.g. q_proj,k_proj,v_proj,o_proj")
     tr.add_argument(
         "--seq-len",
@@ -138,6 +139,7 @@ def recipe_from_args(args: argparse.Namespace):
         "finetune.loss": args.finetune_loss,
         "finetune.lora_rank": args.lora_rank,
         "finetune.lora_targets": _csv(args.lora_targets),
+        "finetune.lora_layers": args.lora_layers,
         "eval.heldout_tokens": args.heldout_tokens,
     }
     if args.attention == "performer" and recipe.attention.kind != "performer":

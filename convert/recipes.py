@@ -62,6 +62,7 @@ class Stage:
     lora_rank: int = 8
     lora_alpha: int = 16
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora_layers: str = "linear"  # linear: the swapped layers only; all: every attention layer
     checkpoint_every: int = 25  # optimizer steps
 
 
@@ -169,6 +170,8 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
         raise ValueError("recipe key 'transfer.loss' must be 'mse' (attention transfer matches outputs)")
     if recipe.finetune.loss not in ("kl", "ce"):
         raise ValueError(f"recipe key 'finetune.loss' must be 'kl' or 'ce', got {recipe.finetune.loss!r}")
+    if recipe.finetune.lora_layers not in ("linear", "all"):
+        raise ValueError(f"recipe key 'finetune.lora_layers' must be 'linear' or 'all', got {recipe.finetune.lora_layers!r}")
     if recipe.layers.placement not in ("spread", "top", "measured"):
         raise ValueError(f"recipe key 'layers.placement' must be spread, top or measured, got {recipe.layers.placement!r}")
     for name in ("transfer", "finetune"):

@@ -353,6 +353,8 @@ def lora_finetune(
     from peft import LoraConfig, get_peft_model
 
     indices = [layer.layer_idx for layer in linear_layers(student)]
+    if stage.lora_layers == "all":  # the softmax layers too: they can take over what the linear ones lose at length
+        indices = list(range(student.config.num_hidden_layers))
     targets = "|".join(stage.lora_targets)
     pattern = rf"model\.layers\.({'|'.join(map(str, indices))})\.self_attn\.({targets})"
     config = LoraConfig(r=stage.lora_rank, lora_alpha=stage.lora_alpha, lora_dropout=0.0, target_modules=pattern)

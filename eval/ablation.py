@@ -83,7 +83,7 @@ def run_ablation(
     teacher, tokenizer, _ = load_model(base_recipe.model, dtype=_default_dtype(base_recipe, accelerator.device))
     teacher.eval()
     ids = {name: tokenizer(text, verbose=False)["input_ids"] for name, text in texts.items()}
-    teacher_rows = {name: perplexity_by_context(teacher, None, i, contexts, max_tokens) for name, i in ids.items()}
+    teacher_rows = {name: _teacher_rows(teacher, i, contexts, max_tokens, output, name) for name, i in ids.items()}
     results = []
     for (name, overrides), (_, variant) in zip(variants, recipes):
         log.info("variant %s: %s", name, overrides)
@@ -99,6 +99,21 @@ def run_ablation(
         if output is not None:
             write_outputs(results, base or {}, Path(output))
     return {"recipe": recipe, "base": base or {}, "results": results}
+
+
+def _teacher_rows(
+    teacher: torch.nn.Module, ids: list[int], contexts: list[int], max_tokens: int, output: str | Path | None, name: str
+) -> list[dict[str, Any]]:
+    """The teacher's perplexity by context, kept in the output folder: it is the same for every run."""
+    key = json.dumps([name, len(ids), sum(ids) % 1_000_003, contexts, max_tokens])
+    cache = None if output is None else Path(output) / "teacher.json"
+    saved = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
+    if key not in saved:
+        saved[key] = perplexity_by_context(teacher, None, ids, contexts, max_tokens)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(saved))
+    return saved[key]
 
 
 def markdown(results: list[dict[str, Any]]) -> str:

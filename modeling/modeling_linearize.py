@@ -218,6 +218,9 @@ class LowRankGate(nn.Module):
         self.heads, self.channels, self.decay_init = heads, channels, tuple(decay_init)
         self.down = nn.Linear(hidden_size, rank, bias=False)
         self.up = nn.Linear(rank, heads * channels, bias=True)
+        # The base init must leave these two alone: it runs on children first and marks what it set as
+        # initialized, after which `reset_parameters` (transformers' init functions) could not set the decays.
+        self.down.gate_owned = self.up.gate_owned = True
         self.reset_parameters()
 
     @torch.no_grad()
@@ -609,7 +612,8 @@ class LinearizePreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Base init for the teacher's module kinds; the linear layers' own init for the new parameters."""
-        super()._init_weights(module)
+        if not getattr(module, "gate_owned", False):
+            super()._init_weights(module)
         if isinstance(module, (HedgehogFeatureMap, LowRankGate)):
             module.reset_parameters()
         elif isinstance(module, LinearAttention) and hasattr(module, "window_factor"):

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import make_tiny_linearize
 from transformers import (
     GPT2Config,
@@ -663,3 +664,16 @@ def test_gla_gate_with_performer_features_is_used_or_rejected():
     model(random_ids(1, 20)).logits.sum().backward()
     dead = [n for n, p in model.named_parameters() if ".gate." in n and p.grad is None]
     assert not dead, f"parameters that never affect the output: {dead}"
+
+
+@pytest.mark.parametrize("decay_init", [(0.995, 0.9998), (0.98, 0.999)])
+def test_gate_starts_at_its_decay_range_in_a_converted_student(decay_init):
+    """The base init runs on the gate's Linear children first; it must not pin the decays at sigmoid(0)**(1/16)."""
+    teacher = make_teacher("llama-bias-tied")
+    layer_types = [LIN] + [FULL] * (teacher.config.num_hidden_layers - 1)
+    student = linearize_model(teacher, layer_types, {"decay_init": list(decay_init)})
+    gate = student.model.layers[0].self_attn.gate
+    decay = torch.exp(F.logsigmoid(gate.up.bias.double()) / gate.normalizer).view(gate.heads, gate.channels)
+    expected = torch.linspace(*decay_init, gate.channels, dtype=torch.float64)
+    torch.testing.assert_close(decay, expected.expand_as(decay), rtol=0, atol=1e-6)
+    assert gate.up.weight.abs().max() == 0  # data-independent at first: every token decays alike
