@@ -83,3 +83,21 @@ def test_long_sequence_transfer_step_trains_a_tiny_model(tiny_llama_dir, tiny_to
     assert sum(measure_layer_errors(student, long_rows).values()) < error_before
     after = new_parameters(student)
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_lora_on_every_layer_adapts_the_softmax_layers_too(tiny_llama_dir, tiny_tokenizer, monkeypatch):
+    import peft
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    settings = {**Recipe().linear_attention(), "window": 16, "sink": 2}
+    student = linearize_model(teacher, plan_layers(4, 16, linear_layers=[0, 1]), settings, "tiny")
+    wrapped = []
+    real = peft.get_peft_model
+    monkeypatch.setattr(peft, "get_peft_model", lambda model, config: wrapped.append(config) or real(model, config))
+    stage = dataclasses.replace(Recipe().finetune, tokens=256, seq_len=64, batch_size=2, loss="ce", lora_layers="all")
+    from linearize.convert.train import lora_finetune
+
+    lora_finetune(student, None, _stage_data(stage, tiny_tokenizer, seed=0), stage, Accelerator(cpu=True), None)
+    assert "(0|1|2|3)" in wrapped[0].target_modules
+    with pytest.raises(ValueError, match="finetune.lora_layers"):
+        parse_recipe({"finetune": {"lora_layers": "some"}})
