@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-install
 OUT ?= out/smollm2-gla-3to1
 
-.PHONY: setup test convert eval bench clean
+.PHONY: setup test convert eval recall bench clean
 
 $(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,9 @@ convert: $(STAMP)
 
 eval: $(STAMP)
 	$(BIN)/linearize eval $(OUT) --limit 200
+
+recall: $(STAMP)
+	$(BIN)/linearize recall $(OUT) --lengths 1024,2048,4096,8192 --depths 0,50,100
 
 bench: $(STAMP)
 	$(BIN)/linearize bench $(OUT)
