@@ -125,7 +125,7 @@ def test_performer_converges_to_softmax_on_moderate_kernels():
         for seed in range(3):
             layer = LinearAttention(performer_config(M=M, seed=seed, D=D), 0).double()
             with torch.no_grad():
-                out = layer._attend(None, q, k, v, None, None)
+                out = layer._attend(None, q, k, v, q, k, None, None)
             runs.append(((out - exact).norm() / exact.norm()).item())
         errors[M] = sum(runs) / len(runs)
     print(f"\nsynthetic |q'|^2=|k'|^2~1.44, D={D}, T={T}: uniform-attention baseline {baseline:.4f}")
