@@ -397,7 +397,7 @@ def build_recall_tasks(
 ) -> Path:
     """Write one JSONL + task YAML per (task, length) and return the folder, lm-eval's include path.
 
-    The folder sits under `dest` (default: the user cache), named by the tokenizer and a hash of
+    The folder sits under `dest` (default: the user cache), named by a hash of the tokenizer and
     every setting, so the tag `linearize_recall` in it covers exactly these tasks. It is built
     beside its final name and renamed into place; an existing one is reused as is.
     """
@@ -414,10 +414,10 @@ def build_recall_tasks(
         "samples": samples,
         "seed": seed,
     }
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(tokenizer.name_or_path or "tokenizer").name).strip("-.")
+    # Named by content alone, so every student of one teacher shares the files (and the teacher's cached samples).
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(dest) if dest is not None else default_dest()
-    folder = root / f"{slug or 'tokenizer'}-{digest}"
+    folder = root / f"recall-{digest}"
     if (folder / "manifest.json").is_file():
         return folder
     root.mkdir(parents=True, exist_ok=True)
