@@ -215,3 +215,17 @@ def test_bad_flag_values_are_named():
         args()
     with pytest.raises(SystemExit):  # argparse: an int flag given a word
         args("--model", "llama", "--transfer-tokens", "many")
+
+
+def test_pinned_layers_follow_their_ratio_and_placement():
+    from linearize.convert.cli import convert_parser, recipe_from_args
+
+    def plan(*argv):
+        layers = recipe_from_args(convert_parser().parse_args(["--model", "llama", *argv])).layers
+        return layers.ratio, layers.placement, layers.linear_layers
+
+    pinned = load_recipe("smollm2-gla").layers.linear_layers
+    assert len(pinned) == 22 and plan("--ratio", "3:1")[2] == pinned == plan()[2]
+    assert plan("--ratio", "1:1") == ("1:1", "measured", [])  # re-planned, not the 3:1 layers
+    assert plan("--placement", "spread")[2] == []
+    assert plan("--linear-layers", "0,1")[2] == [0, 1]
