@@ -117,16 +117,20 @@ def recipe_from_args(args: argparse.Namespace):
     if args.recipe is None and args.model is None:
         raise ValueError("nothing to convert: pass --model (e.g. --model llama) or --recipe")
     recipe = load_recipe(args.recipe) if args.recipe else default_recipe_for(args.model)
-    pinned = recipe.layers.linear_layers
-    # A recipe's pinned layers belong to its ratio and placement: asking for others re-plans.
-    replan = (args.ratio not in (None, recipe.layers.ratio)) or (args.placement not in (None, recipe.layers.placement))
+    # A recipe's measured plan belongs to its ratio and placement: asking for others re-plans.
+    replan = (
+        args.ratio not in (None, recipe.layers.ratio)
+        or args.placement not in (None, recipe.layers.placement)
+        or args.model not in (None, recipe.model, recipe.name, *recipe.aliases)
+    )
     overrides = {
         "model": args.model,
         "dtype": args.dtype,
         "seed": args.seed,
         "layers.ratio": args.ratio,
         "layers.placement": args.placement,
-        "layers.linear_layers": _csv(args.linear_layers, int) or ([] if pinned and replan else None),
+        "layers.linear_layers": _csv(args.linear_layers, int),
+        "layers.measured": [] if replan and recipe.layers.measured else None,
         "layers.keep_softmax": _csv(args.keep_softmax, int),
         "attention.kind": args.attention,
         "attention.feature_map": args.feature_map,

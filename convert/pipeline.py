@@ -95,6 +95,15 @@ def apply_overrides(recipe: Recipe, overrides: dict[str, Any]) -> Recipe:
     return parse_recipe(data)
 
 
+def _spec(model: str) -> str:
+    """What a model spec resolves to, recorded the way `convert` records its teacher."""
+    try:
+        source = resolve(model)
+    except (ValueError, OSError):
+        return model
+    return source.spec if source.kind in ("embedded", "hub") else str(Path(source.location).resolve())
+
+
 def _fingerprint(recipe: Recipe, model: str) -> str:
     text = json.dumps({"recipe": recipe.to_dict(), "model": model}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -232,8 +241,7 @@ def convert(
     # A model in memory is named by where it was loaded from, not by the recipe's (default) model.
     if isinstance(teacher, str):
         # Record what the teacher resolves to (not a short name), so eval can find it again from anywhere.
-        source = resolve(teacher)
-        spec = source.spec if source.kind in ("embedded", "hub") else str(Path(source.location).resolve())
+        spec = _spec(teacher)
     else:
         spec = getattr(teacher.config, "_name_or_path", "") or "in-memory model"
     if isinstance(teacher, str):
@@ -264,7 +272,11 @@ def convert(
 
     layer_errors = {} if work is None else {int(k): v for k, v in (work.get("layer_errors") or {}).items()}
     measured_student = None
-    if recipe.layers.placement == "measured" and not recipe.layers.linear_layers and not layer_errors:
+    linear = recipe.layers.linear_layers
+    if recipe.layers.placement == "measured" and not linear and recipe.layers.measured and _spec(recipe.model) == spec:
+        linear = recipe.layers.measured
+        logger.info("using the recipe's measured plan for %s", spec)
+    if recipe.layers.placement == "measured" and not linear and not layer_errors:
         logger.info("measuring every layer as linear with a short attention transfer")
         all_linear = plan_layers(n_layers, window, linear_layers=list(range(n_layers)))
         # Layers are ranked with the feature maps on RoPE'd q/k, as the teacher sees them: that ranking
@@ -289,7 +301,7 @@ def convert(
         window,
         recipe.layers.ratio,
         recipe.layers.placement,
-        recipe.layers.linear_layers,
+        linear,
         recipe.layers.keep_softmax,
         errors_list,
     )

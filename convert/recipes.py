@@ -26,6 +26,9 @@ class LayerPlan:
     placement: str = "spread"  # spread | top | measured
     linear_layers: list[int] | None = None  # explicit indices override ratio/placement
     keep_softmax: list[int] = field(default_factory=list)  # layers that never become linear
+    # The linear layers `measured` placement chose for the recipe's own model, reused for it instead
+    # of re-measuring (the measuring pass is short and noisy); ignored for any other model.
+    measured: list[int] | None = None
 
 
 @dataclass

@@ -217,15 +217,16 @@ def test_bad_flag_values_are_named():
         args("--model", "llama", "--transfer-tokens", "many")
 
 
-def test_pinned_layers_follow_their_ratio_and_placement():
+def test_measured_plan_follows_its_ratio_and_placement():
     from linearize.convert.cli import convert_parser, recipe_from_args
 
     def plan(*argv):
         layers = recipe_from_args(convert_parser().parse_args(["--model", "llama", *argv])).layers
-        return layers.ratio, layers.placement, layers.linear_layers
+        return layers.ratio, layers.placement, layers.measured, layers.linear_layers
 
-    pinned = load_recipe("smollm2-gla").layers.linear_layers
-    assert len(pinned) == 22 and plan("--ratio", "3:1")[2] == pinned == plan()[2]
-    assert plan("--ratio", "1:1") == ("1:1", "measured", [])  # re-planned, not the 3:1 layers
+    kept = load_recipe("smollm2-gla").layers.measured
+    assert len(kept) == 22 and plan("--ratio", "3:1") == ("3:1", "measured", kept, None) == plan()
+    assert plan("--ratio", "1:1")[:3] == ("1:1", "measured", [])  # measured anew, not the 3:1 layers
     assert plan("--placement", "spread")[2] == []
-    assert plan("--linear-layers", "0,1")[2] == [0, 1]
+    assert plan("--linear-layers", "0,1")[3] == [0, 1]
+    assert plan("--recipe", "smollm2-gla", "--model", "./another-model")[2] == []  # the plan was measured on SmolLM2, not on this model
