@@ -97,10 +97,7 @@ def apply_overrides(recipe: Recipe, overrides: dict[str, Any]) -> Recipe:
 
 def _spec(model: str) -> str:
     """What a model spec resolves to, recorded the way `convert` records its teacher."""
-    try:
-        source = resolve(model)
-    except (ValueError, OSError):
-        return model
+    source = resolve(model)
     return source.spec if source.kind in ("embedded", "hub") else str(Path(source.location).resolve())
 
 
@@ -239,7 +236,8 @@ def convert(
         output = Path(output).expanduser().resolve()
         check_output(output, overwrite)
     # A model in memory is named by where it was loaded from, not by the recipe's (default) model.
-    if isinstance(teacher, str):
+    by_spec = isinstance(teacher, str)
+    if by_spec:
         # Record what the teacher resolves to (not a short name), so eval can find it again from anywhere.
         spec = _spec(teacher)
     else:
@@ -273,7 +271,9 @@ def convert(
     layer_errors = {} if work is None else {int(k): v for k, v in (work.get("layer_errors") or {}).items()}
     measured_student = None
     linear = recipe.layers.linear_layers
-    if recipe.layers.placement == "measured" and not linear and recipe.layers.measured and _spec(recipe.model) == spec:
+    # A recipe's kept plan serves its own model only (a model in memory cannot be told apart: measure it).
+    own_model = by_spec and recipe.layers.measured and _spec(recipe.model) == spec
+    if recipe.layers.placement == "measured" and not linear and own_model:
         linear = recipe.layers.measured
         logger.info("using the recipe's measured plan for %s", spec)
     if recipe.layers.placement == "measured" and not linear and not layer_errors:

@@ -68,7 +68,6 @@ class Stage:
     lora_layers: str = "linear"  # linear: the swapped layers only; all: every attention layer
     checkpoint_every: int = 25  # optimizer steps
 
-
     @property
     def seq_lens(self) -> list[int]:
         return [self.seq_len] if isinstance(self.seq_len, int) else list(self.seq_len)

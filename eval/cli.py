@@ -74,6 +74,7 @@ def eval_main(argv: list[str] | None = None) -> int:
 
         if args.limit is not None and args.limit < 1:
             raise ValueError(f"bad --limit {args.limit}: give a positive number of examples")
+        contexts, texts = (None, None) if args.skip_context else _context_settings(args)
         report = evaluate(
             args.dir,
             teacher=args.teacher,
@@ -82,8 +83,8 @@ def eval_main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             device=args.device,
             skip_teacher=args.skip_teacher,
-            contexts=None if args.skip_context else _contexts(args.contexts),
-            texts=None if args.skip_context else _texts(args.texts),
+            contexts=contexts,
+            texts=texts,
             context_tokens=args.context_tokens,
         )
         console = _console()
@@ -141,20 +142,19 @@ def bench_main(argv: list[str] | None = None) -> int:
     return _run(bench_parser(), argv, body)
 
 
-def _contexts(value: str) -> list[int]:
-    from .bench import parse_int_list
-
-    return parse_int_list(value, "contexts")
-
-
-def _texts(value: str) -> dict[str, str]:
-    """`pydoc,britannica` -> the named held-out texts."""
+def _context_settings(args: argparse.Namespace) -> tuple[list[int], dict[str, str]]:
+    """Validated --contexts and --context-tokens, and the named held-out --texts, before any model loads."""
     from linearize.convert.data import eval_text
 
-    names = [v.strip() for v in value.split(",") if v.strip()]
+    from .bench import parse_int_list
+
+    contexts = parse_int_list(args.contexts, "contexts")
+    if args.context_tokens < 2:
+        raise ValueError(f"bad --context-tokens {args.context_tokens}: give at least the longest context, e.g. 8192")
+    names = [v.strip() for v in args.texts.split(",") if v.strip()]
     if not names:
         raise ValueError("--texts is empty: name held-out texts such as pydoc,britannica")
-    return {name: eval_text(name) for name in names}
+    return contexts, {name: eval_text(name) for name in names}
 
 
 def _context_args(p: argparse.ArgumentParser) -> None:
@@ -232,7 +232,7 @@ def ppl_main(argv: list[str] | None = None) -> int:
 
         if args.seq_len is not None:
             return _sliding_ppl(args)
-        contexts, texts = _contexts(args.contexts), _texts(args.texts)
+        contexts, texts = _context_settings(args)
         check_device(args.device)
         converted = is_model_dir(args.model) and "linearize_teacher" in student_config(args.model)
         teacher = None

@@ -164,3 +164,17 @@ def test_context_comparison_table_and_plot(tmp_path):
     assert "| 16 | 64 | 8.00 | 10.00 | 1.250 |" in md
     png = plot_contexts({"text": rows}, tmp_path / "context.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--contexts", "512,big"], "--contexts"),
+        (["--context-tokens", "0"], "--context-tokens"),
+        (["--texts", "wiki"], "pydoc, britannica"),
+        (["--texts", ","], "--texts is empty"),
+    ],
+)
+def test_ppl_refuses_bad_context_settings_before_loading(linearize_main, args, message):
+    code, out, err = linearize_main("ppl", "/no/such/model", *args)  # a model load would fail differently
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not out
