@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 REMOTE_CODE = [
     ("modeling", "configuration_linearize.py"),
+    ("modeling", "families.py"),
     ("modeling", "modeling_linearize.py"),
     ("kernels", "ops.py"),
     ("kernels", "gla_torch.py"),
@@ -34,7 +35,6 @@ REMOTE_CODE = [
 ]
 AUTO_MAP = {
     "AutoConfig": "configuration_linearize.LinearizeConfig",
-    "AutoModel": "modeling_linearize.LinearizeModel",
     "AutoModelForCausalLM": "modeling_linearize.LinearizeForCausalLM",
 }
 CROSS_PACKAGE_IMPORT = re.compile(r"^from \.\.\w+\.(\w+) import", flags=re.MULTILINE)
@@ -100,7 +100,7 @@ def _replace(staging: Path, output: Path) -> None:
 def default_model_card(model: LinearizeForCausalLM) -> str:
     """A minimal card: what the model is and how to load it."""
     config = model.config
-    linear = sum(t != "full_attention" for t in config.layer_types)
+    linear = sum(t == "linear_attention" for t in config.layer_types)
     settings = config.linear_attention
     return (
         "---\nlibrary_name: transformers\ntags: [linearize, linear-attention, hybrid]\n---\n\n"
@@ -111,6 +111,6 @@ def default_model_card(model: LinearizeForCausalLM) -> str:
         "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
         'model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)\n'
         'tokenizer = AutoTokenizer.from_pretrained("PATH")\n```\n\n'
-        f"Layer plan: `{' '.join('L' if t != 'full_attention' else 'S' for t in config.layer_types)}` "
+        f"Layer plan: `{' '.join('L' if t == 'linear_attention' else 'S' for t in config.layer_types)}` "
         "(L = linear, S = softmax).\n"
     )

@@ -29,6 +29,7 @@ from .export import check_output, default_model_card, export
 from .plan import describe, plan_layers
 from .recipes import Recipe, Stage
 from .sources import load_model, resolve
+from ..modeling.families import text_config
 from .swap import check_supported, linearize_model, new_parameters
 from .train import StageResult, attention_transfer, lora_finetune, measure_layer_errors
 
@@ -264,9 +265,8 @@ def convert(
         if not main:
             work = WorkDir(wd, _fingerprint(recipe, spec), overwrite, writer=False)
     work_path = None if work is None else work.path
-    n_layers = teacher.config.num_hidden_layers
+    n_layers = text_config(teacher.config).num_hidden_layers
     settings = recipe.linear_attention()
-    window = settings["window"]
 
     layer_errors = {} if work is None else {int(k): v for k, v in (work.get("layer_errors") or {}).items()}
     measured_student = None
@@ -278,7 +278,7 @@ def convert(
         logger.info("using the recipe's measured plan for %s", spec)
     if recipe.layers.placement == "measured" and not linear and not layer_errors:
         logger.info("measuring every layer as linear with a short attention transfer")
-        all_linear = plan_layers(n_layers, window, linear_layers=list(range(n_layers)))
+        all_linear = plan_layers(n_layers, linear_layers=list(range(n_layers)))
         # Layers are ranked with the feature maps on RoPE'd q/k, as the teacher sees them: that ranking
         # measured better for students of either kind (README, "Length").
         measure_settings = {**settings, "rope_features": True}
@@ -298,7 +298,6 @@ def convert(
     errors_list = [layer_errors.get(i, 0.0) for i in range(n_layers)] if layer_errors else None
     types = plan_layers(
         n_layers,
-        window,
         recipe.layers.ratio,
         recipe.layers.placement,
         linear,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-FULL, LINEAR, HYBRID = "full_attention", "linear_attention", "hybrid_sliding"
+FULL, LINEAR = "full_attention", "linear_attention"
 RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
 
@@ -76,15 +76,13 @@ def choose_softmax(
     return sorted(set(keep) | set(picked))
 
 
-def layer_types(num_layers: int, linear: list[int], window: int) -> list[str]:
-    """The config's layer_types for a set of linear layers (hybrid_sliding when they carry a window)."""
-    kind = HYBRID if window else LINEAR
-    return [kind if i in set(linear) else FULL for i in range(num_layers)]
+def layer_types(num_layers: int, linear: list[int]) -> list[str]:
+    """The plan as layer types: linear_attention, or full_attention for a layer that keeps the base's softmax."""
+    return [LINEAR if i in set(linear) else FULL for i in range(num_layers)]
 
 
 def plan_layers(
     num_layers: int,
-    window: int,
     ratio: str | None = "3:1",
     placement: str = "spread",
     linear_layers: str | list[int] | None = None,
@@ -101,9 +99,9 @@ def plan_layers(
         linear = [i for i in range(num_layers) if i not in softmax]
     if not linear:
         raise ValueError("the plan makes no layer linear: lower the softmax share or shrink keep_softmax")
-    return layer_types(num_layers, linear, window)
+    return layer_types(num_layers, linear)
 
 
 def describe(types: list[str]) -> str:
     """Compact plan string, e.g. 'SSLLLSLLL...' (L linear, S softmax)."""
-    return "".join("S" if t == FULL else "L" for t in types)
+    return "".join("L" if t == LINEAR else "S" for t in types)

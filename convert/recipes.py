@@ -64,7 +64,7 @@ class Stage:
     loss: str = "mse"  # transfer: mse; finetune: kl | ce
     lora_rank: int = 8
     lora_alpha: int = 16
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora_targets: list[str] = field(default_factory=list)  # empty: the attention's own projections, per family
     lora_layers: str = "linear"  # linear: the swapped layers only; all: every attention layer
     checkpoint_every: int = 25  # optimizer steps
 

@@ -1,8 +1,9 @@
 """Swap: a teacher `PreTrainedModel` -> a `LinearizeForCausalLM` with the chosen layers linear.
 
-The student is built from the teacher's config plus the layer plan, then takes every teacher
-weight under the same name; only the linear layers' new parameters (feature maps, gates, window
-mix) start from their own initialization.
+The student is the teacher's own family model, built from the teacher's config plus the layer
+plan; it takes every teacher weight under the same name, and only the linear layers' new
+parameters (feature maps, gates, window mix) start from their own initialization. A multimodal
+teacher (Gemma 3) gives its text decoder.
 """
 
 from __future__ import annotations
@@ -14,73 +15,53 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..modeling.configuration_linearize import LinearizeConfig
+from ..modeling.configuration_linearize import LINEAR, LinearizeConfig
+from ..modeling.families import family_of, text_config
 from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = {
-    "llama": {"qk_norm": False},
-    "mistral": {"qk_norm": False},
-    "qwen2": {"qk_norm": False},
-    "qwen3": {"qk_norm": True},
-    "linearize": {},
-}
+# Teacher weights that belong to a multimodal wrapper, not to its text decoder: prefix -> the decoder's.
+TEXT_PREFIXES = {"gemma3": ("model.language_model.", "model.")}
 
 
 def check_supported(config: PretrainedConfig) -> None:
-    """Raise, listing the supported families, when the teacher's architecture is not one of them."""
-    if config.model_type not in SUPPORTED:
-        names = ", ".join(sorted(k for k in SUPPORTED if k != "linearize"))
-        raise ValueError(
-            f"unsupported architecture {config.model_type!r}: linearize converts Llama-family models ({names})"
-        )
+    """Raise, naming what is unsupported and the supported families, when the teacher cannot be converted."""
+    if config.model_type == "linearize":
+        return
+    family_of(text_config(config))
 
 
 def student_config(
     teacher: PretrainedConfig, layer_types: list[str], linear_attention: dict[str, Any], teacher_name: str | None = None
 ) -> LinearizeConfig:
-    """The student's config: every base field of the teacher, plus the layer plan and linear settings."""
+    """The student's config: every base field of the teacher, the layer plan and the linear settings.
+
+    In `layer_types`, `linear_attention` marks a linear layer; any other entry keeps the base model's own
+    attention type for that layer (full or sliding-window softmax).
+    """
     check_supported(teacher)
-    kind = teacher.model_type
-    if kind == "linearize":
+    if teacher.model_type == "linearize":
         fields = teacher.to_dict()
-        fields.update(layer_types=layer_types, linear_attention=linear_attention)
+        fields.update(layer_types=_with_base_types(layer_types, teacher.base_layer_types))
+        fields["linear_attention"] = linear_attention
         return LinearizeConfig(**fields)
-    attention_bias = bool(getattr(teacher, "attention_bias", False))
-    if kind == "qwen2":
-        qkv_bias, o_bias = True, False
-    else:
-        qkv_bias = o_bias = attention_bias
-    if getattr(teacher, "use_sliding_window", False) or (kind == "mistral" and getattr(teacher, "sliding_window", None)):
-        logger.warning("the teacher uses sliding-window attention; its softmax layers become full attention here")
+    base = text_config(teacher)
+    base_types = list(base.layer_types) if getattr(base, "layer_types", None) else None
     return LinearizeConfig(
-        vocab_size=teacher.vocab_size,
-        hidden_size=teacher.hidden_size,
-        intermediate_size=teacher.intermediate_size,
-        num_hidden_layers=teacher.num_hidden_layers,
-        num_attention_heads=teacher.num_attention_heads,
-        num_key_value_heads=teacher.num_key_value_heads,
-        head_dim=getattr(teacher, "head_dim", None) or teacher.hidden_size // teacher.num_attention_heads,
-        hidden_act=teacher.hidden_act,
-        max_position_embeddings=teacher.max_position_embeddings,
-        initializer_range=teacher.initializer_range,
-        rms_norm_eps=teacher.rms_norm_eps,
-        pad_token_id=teacher.pad_token_id,
-        bos_token_id=teacher.bos_token_id,
-        eos_token_id=teacher.eos_token_id,
-        tie_word_embeddings=teacher.tie_word_embeddings,
-        rope_parameters=dict(teacher.rope_parameters),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=bool(getattr(teacher, "mlp_bias", False)),
-        qk_norm=SUPPORTED[kind]["qk_norm"],
-        attention_dropout=float(getattr(teacher, "attention_dropout", 0.0) or 0.0),
-        base_model_type=kind,
-        layer_types=layer_types,
+        base_model_type=base.model_type,
+        layer_types=_with_base_types(layer_types, base_types),
+        base_layer_types=base_types,
         linear_attention=linear_attention,
         linearize_teacher=teacher_name,
+        **{k: v for k, v in base.to_dict().items() if k != "layer_types"},
     )
+
+
+def _with_base_types(layer_types: list[str], base_types: list[str] | None) -> list[str]:
+    if base_types is not None and len(base_types) != len(layer_types):
+        raise ValueError(f"layer_types has {len(layer_types)} entries but the model has {len(base_types)} layers")
+    return [LINEAR if kind == LINEAR else (base_types[i] if base_types else "full_attention") for i, kind in enumerate(layer_types)]
 
 
 def linearize_model(
@@ -91,16 +72,17 @@ def linearize_model(
 ) -> LinearizeForCausalLM:
     """Build the hybrid student from a teacher in memory; the teacher is left untouched."""
     config = student_config(teacher.config, layer_types, linear_attention or {}, teacher_name)
-    config._attn_implementation = teacher.config._attn_implementation or "sdpa"
+    config._attn_implementation_internal = text_config(teacher.config)._attn_implementation or "sdpa"
     dtype = next(teacher.parameters()).dtype
     student = LinearizeForCausalLM(config).to(dtype)
-    state = teacher.state_dict()
+    state = _decoder_state(teacher)
     missing, unexpected = student.load_state_dict(state, strict=False)
     new = {name for name in missing if _is_new_parameter(student, name)}
-    if set(missing) - new - {"lm_head.weight"} or unexpected:
+    tied = set(student.all_tied_weights_keys) if config.tie_word_embeddings else set()
+    if set(missing) - new - tied or unexpected:
         raise ValueError(
             f"teacher weights do not match the student layout (missing {sorted(set(missing) - new)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}): is this a Llama-family checkpoint?"
+            f"unexpected {sorted(unexpected)[:5]}): is the checkpoint complete?"
         )
     if config.tie_word_embeddings:
         student.tie_weights()
@@ -108,17 +90,27 @@ def linearize_model(
     return student.to(next(teacher.parameters()).device)
 
 
+def _decoder_state(teacher: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The teacher's weights under the text decoder's names (a multimodal wrapper's other towers dropped)."""
+    state = teacher.state_dict()
+    if teacher.config.model_type not in TEXT_PREFIXES:
+        return state
+    wrapper, decoder = TEXT_PREFIXES[teacher.config.model_type]
+    out = {decoder + k[len(wrapper) :]: v for k, v in state.items() if k.startswith(wrapper)}
+    out.update({k: v for k, v in state.items() if k.startswith("lm_head.")})
+    return out
+
+
 def _is_new_parameter(student: torch.nn.Module, name: str) -> bool:
     """Parameters that only linear layers have (the teacher cannot provide them)."""
-    owner = name.rsplit(".", 1)[0]
-    module = student.get_submodule(owner) if owner else student
-    while owner and not isinstance(module, LinearAttention):
-        owner = owner.rsplit(".", 1)[0] if "." in owner else ""
-        module = student.get_submodule(owner) if owner else student
-    if not isinstance(module, LinearAttention):
-        return False
-    tail = name[len(owner) + 1 :]
-    return not tail.startswith(("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"))
+    owner, _, tail = name.rpartition(".")
+    while owner:
+        module = student.get_submodule(owner)
+        if isinstance(module, LinearAttention):
+            return tail.split(".")[0] in module.linear_parts
+        owner, _, head = owner.rpartition(".")
+        tail = f"{head}.{tail}"
+    return False
 
 
 def new_parameters(student: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

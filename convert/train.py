@@ -29,6 +29,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from ..modeling.families import family_of
 from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
 from .recipes import Stage
 from .swap import new_parameters
@@ -309,7 +310,7 @@ def attention_transfer(
                 layer_sums.setdefault(layer.layer_idx, []).append(loss.item())
             return torch.stack(losses).sum()
 
-        result = run_loop("transfer", student.model, params, data, stage, step_loss, accelerator, work_dir)
+        result = run_loop("transfer", student.base_model, params, data, stage, step_loss, accelerator, work_dir)
     for p in student.parameters():
         p.requires_grad_(False)
     result.layer_errors = {i: sum(v) / len(v) for i, v in layer_sums.items()}
@@ -326,12 +327,12 @@ def measure_layer_errors(student: LinearizeForCausalLM, data: torch.Tensor, batc
         for layer in layers:
 
             def keep_scale(module, args, output, index=layer.layer_idx):
-                scales[index] = output.float().pow(2).mean().item()
+                scales[index] = output[0].float().pow(2).mean().item()
 
             hooks.append(layer.register_forward_hook(keep_scale))
         try:
             for start in range(0, data.shape[0], batch_size):
-                student.model(input_ids=data[start : start + batch_size], use_cache=False)
+                student.base_model(input_ids=data[start : start + batch_size], use_cache=False)
                 for layer in layers:
                     rel = layer.transfer_loss.item() / max(scales[layer.layer_idx], 1e-12)
                     errors.setdefault(layer.layer_idx, []).append(rel)
@@ -355,8 +356,10 @@ def lora_finetune(
     indices = [layer.layer_idx for layer in linear_layers(student)]
     if stage.lora_layers == "all":  # the softmax layers too: they can take over what the linear ones lose at length
         indices = list(range(student.config.num_hidden_layers))
-    targets = "|".join(stage.lora_targets)
-    pattern = rf"model\.layers\.({'|'.join(map(str, indices))})\.self_attn\.({targets})"
+    family = family_of(student.base_model.config)
+    targets = "|".join(stage.lora_targets or family.projections)
+    prefix = rf"{student.base_model_prefix}\.layers\.({'|'.join(map(str, indices))})\.{family.attention}"
+    pattern = rf"{prefix}\.({targets})"
     config = LoraConfig(r=stage.lora_rank, lora_alpha=stage.lora_alpha, lora_dropout=0.0, target_modules=pattern)
     for p in student.parameters():
         p.requires_grad_(False)

@@ -1,7 +1,15 @@
-"""Configuration of a linearized (hybrid linear/softmax attention) Llama-family causal LM.
+"""Configuration of a linearized (hybrid linear/softmax attention) causal LM of any supported family.
 
-It keeps every field of the base architecture (Llama, Mistral, Qwen2, Qwen3 share one layout)
-and adds `layer_types` plus `linear_attention`, the settings of the linear layers.
+The config carries every field of the base model's own config (resolved by that config class, so
+defaults and derived values are the family's), plus:
+- `base_model_type`: the family (`llama`, `gemma3_text`, `gpt_neox`, ...) whose transformers classes
+  the model is built from;
+- `layer_types`: what each layer's cache holds. Linear layers are `linear_attention` (a fixed-size
+  state: transformers' `LinearAttentionLayer`); softmax layers keep the base model's own type
+  (`full_attention`, `sliding_attention`), so `DynamicCache(config=...)` builds the right cache;
+- `base_layer_types`: the base config's own `layer_types` (None if it has none), which the family
+  model is built with, so its masks and rotary embeddings per layer type stay the teacher's;
+- `linear_attention`: the settings of the linear layers.
 """
 
 from __future__ import annotations
@@ -10,8 +18,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-LAYER_TYPES = ("full_attention", "linear_attention", "hybrid_sliding")
-
+LINEAR = "linear_attention"
 LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     "kind": "gla",  # "gla" (gated, decaying state) or "performer" (FAVOR+ random features, no decay)
     "feature_map": "hedgehog",  # "hedgehog" | "elu" | "identity" | "performer"
@@ -20,7 +27,7 @@ LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     "gate_rank": 16,
     "decay_init": [0.995, 0.9998],  # lowrank gate: initial decays, spread over the key channels
     "normalize": True,  # divide by phi(q).z
-    "window": 0,  # >0: softmax over the last `window` tokens mixed into the linear layer
+    "window": 0,  # >0: softmax over the last `window` tokens mixed into every linear layer
     "sink": 0,  # with a window: the first `sink` tokens also stay in the softmax part (attention sinks)
     "chunk_size": 64,
     # True: feature maps see RoPE'd q/k, as the teacher's softmax does. False: q/k before RoPE, so the
@@ -28,92 +35,81 @@ LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     "rope_features": True,
     "seed": 0,  # performer random features are drawn from this seed and saved as a buffer
 }
+# What a linear layer keeps in its `LinearAttentionLayer` cache, by state index.
+STATES = {"memory": 0, "stabilizer": 1, "sink_kv": 2, "sink_positions": 3, "window_kv": 4, "window_valid": 5, "seen": 6}
+OWN_FIELDS = ("base_model_type", "layer_types", "base_layer_types", "linear_attention", "linearize_teacher")
+# Fields of a saved config that describe the file, not the base model.
+NOT_BASE_FIELDS = ("model_type", "transformers_version", "architectures", "auto_map", "number_of_conv_states")
+
+
+def base_config_class(model_type: str) -> type[PretrainedConfig]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"base_model_type {model_type!r} is not a transformers model type")
+    return CONFIG_MAPPING[model_type]
 
 
 class LinearizeConfig(PretrainedConfig):
-    """Base Llama-family fields + `layer_types` + `linear_attention` settings."""
+    """The base family's fields + `layer_types` + `linear_attention` settings."""
 
     model_type = "linearize"
     keys_to_ignore_at_inference = ["cache"]
 
     def __init__(
         self,
-        vocab_size: int = 32000,
-        hidden_size: int = 4096,
-        intermediate_size: int = 11008,
-        num_hidden_layers: int = 32,
-        num_attention_heads: int = 32,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
-        hidden_act: str = "silu",
-        max_position_embeddings: int = 2048,
-        initializer_range: float = 0.02,
-        rms_norm_eps: float = 1e-6,
-        use_cache: bool = True,
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = 1,
-        eos_token_id: int | list[int] | None = 2,
-        tie_word_embeddings: bool = False,
-        rope_parameters: dict | None = None,
-        qkv_bias: bool = False,
-        o_bias: bool = False,
-        mlp_bias: bool = False,
-        qk_norm: bool = False,
-        attention_dropout: float = 0.0,
         base_model_type: str = "llama",
         layer_types: list[str] | None = None,
+        base_layer_types: list[str] | None = None,
         linear_attention: dict[str, Any] | None = None,
         linearize_teacher: str | None = None,
-        **kwargs,
+        **fields,
     ):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads or num_attention_heads
-        self.head_dim = head_dim or hidden_size // num_attention_heads
-        self.hidden_act = hidden_act
-        self.max_position_embeddings = max_position_embeddings
-        self.initializer_range = initializer_range
-        self.rms_norm_eps = rms_norm_eps
-        self.use_cache = use_cache
-        self.rope_parameters = rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
-        self.qkv_bias = qkv_bias
-        self.o_bias = o_bias
-        self.mlp_bias = mlp_bias
-        self.qk_norm = qk_norm
-        self.attention_dropout = attention_dropout
+        saved = {k: fields.pop(k) for k in ("auto_map", "architectures") if k in fields}  # the export's, not the base's
+        fields = {k: v for k, v in fields.items() if k not in NOT_BASE_FIELDS}
+        implementation = fields.pop("attn_implementation", None)
+        if base_layer_types is not None:
+            fields["layer_types"] = base_layer_types
+        base = base_config_class(base_model_type)(**fields)
+        resolved = {k: v for k, v in base.to_dict().items() if k not in NOT_BASE_FIELDS and k != "layer_types"}
         self.base_model_type = base_model_type
+        self.base_layer_types = list(base.layer_types) if getattr(base, "layer_types", None) else None
         self.linearize_teacher = linearize_teacher
-        self.layer_types = list(layer_types or ["full_attention"] * num_hidden_layers)
         self.linear_attention = {**LINEAR_ATTENTION_DEFAULTS, **(linear_attention or {})}
-        window = self.linear_attention["window"]
-        # The hybrid cache keeps `sliding_window - 1` tokens: the window plus the key about to enter the state.
-        self.sliding_window = window + 1 if window else None
-        # Linear layers keep up to four states: the (key x value) memory, Performer's key stabilizer,
-        # and the attention sinks' keys/values and positions.
-        self.number_of_conv_states = 4
-        # Our check first: transformers' own layer_types validator (in super().__init__) raises a
-        # non-ValueError listing layer types this model cannot build.
-        self.validate_layers()
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        num_layers = resolved["num_hidden_layers"]
+        self.layer_types = list(layer_types or self.base_layer_types or ["full_attention"] * num_layers)
+        # The linear layers' states (see STATES); transformers sizes every LinearAttentionLayer by this.
+        self.number_of_conv_states = len(STATES)
+        self.validate_layers(num_layers)
+        super().__init__(attn_implementation=implementation, **resolved, **saved)
+        self.use_cache = resolved.get("use_cache", True)  # popped by the base __init__ as a generation setting
 
-    def validate_layers(self) -> None:
+    def base_config(self) -> PretrainedConfig:
+        """The base family's own config, as the teacher had it: what the family's classes are built from."""
+        fields = {k: v for k, v in self.to_dict().items() if k not in OWN_FIELDS + NOT_BASE_FIELDS}
+        if self.base_layer_types is not None:
+            fields["layer_types"] = list(self.base_layer_types)
+        config = base_config_class(self.base_model_type)(**fields)
+        config._attn_implementation_internal = self._attn_implementation_internal
+        return config
+
+    def softmax_type(self, index: int) -> str:
+        """The base model's attention type of layer `index` (what its cache holds when it stays softmax)."""
+        return self.base_layer_types[index] if self.base_layer_types else "full_attention"
+
+    def validate_layers(self, num_layers: int) -> None:
         """Fail early, with the fix, on a layer plan the model cannot build."""
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but the model has {self.num_hidden_layers} layers"
-            )
-        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if len(self.layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries but the model has {num_layers} layers")
+        allowed = {LINEAR, *(self.base_layer_types or ["full_attention"])}
+        bad = sorted(set(self.layer_types) - allowed)
         if bad:
-            raise ValueError(f"unknown layer types {bad}: use {list(LAYER_TYPES)}")
+            raise ValueError(f"unknown layer types {bad}: use {sorted(allowed)}")
+        for i, kind in enumerate(self.layer_types):
+            if kind != LINEAR and kind != self.softmax_type(i):
+                raise ValueError(
+                    f"layer {i} is {self.softmax_type(i)!r} in the base model: keep that type or make it {LINEAR!r}"
+                )
         settings = self.linear_attention
         unknown = sorted(set(settings) - set(LINEAR_ATTENTION_DEFAULTS))
         if unknown:
@@ -145,5 +141,3 @@ class LinearizeConfig(PretrainedConfig):
             raise ValueError("attention sinks live in the softmax window: set linear_attention.window > 0 too")
         if settings["window"] and not settings["normalize"]:
             raise ValueError("a softmax window needs normalize=true: the window and the linear part share one normalizer")
-        if "hybrid_sliding" in self.layer_types and not settings["window"]:
-            raise ValueError("hybrid_sliding layers need linear_attention.window > 0")

@@ -1,14 +1,22 @@
-"""A Llama-family causal LM whose attention layers are softmax or linear, per `config.layer_types`.
+"""A causal LM of any supported family whose chosen attention layers are linear, per `config.layer_types`.
 
-Read top to bottom: norms, RoPE and MLP as in the base models; `SoftmaxAttention` (the teacher's
-attention, unchanged); the pieces of a linear layer (feature maps, decay gate, local window);
-`LinearAttention`; then the decoder layer, the backbone and the causal LM.
+The model is the base family's own transformers model (`LlamaForCausalLM`, `Gemma3ForCausalLM`,
+`GPTNeoXForCausalLM`, ...): embeddings, decoder layers, norms, MLPs, rotary embeddings, masks and
+the output head are the family's classes, built from the base config the teacher had. Only the
+attention modules of linear layers change, in place (as peft injects adapters): each becomes a
+`LinearAttention` that keeps the teacher's projections, q/k norms, scale and partial rotary under
+their own names, so a teacher checkpoint plus the few new parameters is the whole model.
 
-Weight names equal the teacher's (`model.layers.N.self_attn.q_proj.weight`, ...), so a teacher
-checkpoint plus the few new parameters of the linear layers is the whole model. Caching uses
-transformers' `DynamicCache(config=...)`: `linear_attention` layers get a `LinearAttentionLayer`
-(a fixed-size state), `hybrid_sliding` layers that state plus a sliding-window KV cache, and
-`full_attention` layers an ordinary growing KV cache.
+Masks and caches (the decision): the family model builds its masks from the base layer types, as
+the teacher did; softmax layers use them unchanged. Linear layers do not read those masks. They
+take the 2D padding mask, which `LinearizeForCausalLM.forward` passes down the family's `**kwargs`
+as `linearize_padding_mask`, and they keep their whole cache, softmax window included, in their
+own `LinearAttentionLayer` (`layer_types` says `linear_attention`). To the family's mask builders a
+linear layer is therefore never an attention layer: sliding-window softmax layers (Gemma 3,
+Mistral) keep their own window and mask sizes.
+
+Read top to bottom: the pieces of a linear layer (feature maps, decay gate, local window, sinks),
+`LinearAttention`, then `LinearizeForCausalLM`.
 """
 
 from __future__ import annotations
@@ -21,166 +29,23 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.versions import require_version
 
 from ..kernels.feature_maps import elu_plus_one, hedgehog, orthogonal_random_features, performer, performer_logits
 from ..kernels.gla_torch import MIN_LOG_DECAY
 from ..kernels.ops import gated_linear_attention
-from .configuration_linearize import LinearizeConfig
+from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class
+from .families import Family, family_of
+
+require_version("transformers>=5.24", "linearize models use transformers' LinearAttentionLayer cache: pip install -U transformers")
 
 RECURRENT_MAX_TOKENS = 16  # at most this many new tokens with a state: step the recurrence instead of chunking
 # The window/linear mix starts at sigmoid(2) = 0.88 on the softmax side: a converted layer begins close
 # to sliding-window-plus-sink attention, which alone keeps most of the teacher's quality, and learns the rest.
 WINDOW_FACTOR_INIT = 2.0
-
-
-class LinearizeRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(dtype)
-
-
-class LinearizeRotaryEmbedding(nn.Module):
-    inv_freq: torch.Tensor
-
-    def __init__(self, config: LinearizeConfig):
-        super().__init__()
-        self.config = config
-        self.max_seq_len_cached = config.max_position_embeddings  # read by dynamic_rope_update ("dynamic" RoPE)
-        self.original_max_seq_len = config.max_position_embeddings  # read by "longrope"
-        self.rope_type = config.rope_parameters.get("rope_type", "default")
-        init_fn = self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = init_fn(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config: LinearizeConfig, **kwargs) -> tuple[torch.Tensor, float]:
-        base, dim = config.rope_parameters["rope_theta"], config.head_dim
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-
-    @torch.no_grad()
-    @dynamic_rope_update
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin):
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-class LinearizeMLP(nn.Module):
-    def __init__(self, config: LinearizeConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    b, h, t, d = x.shape
-    return x if n_rep == 1 else x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
-
-
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        weights = weights + attention_mask
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
-class AttentionProjections(nn.Module):
-    """q/k/v/o projections, optional q/k norms and RoPE: what softmax and linear layers share with the teacher."""
-
-    def __init__(self, config: LinearizeConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_kv_heads
-        self.scaling = self.head_dim**-0.5
-        self.is_causal = True
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
-        if config.qk_norm:
-            self.q_norm = LinearizeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = LinearizeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def project(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
-        """-> q [B, H, T, D], k and v [B, Hkv, T, D], with norms and RoPE applied as in the teacher."""
-        q, k, v = self.project_unrotated(hidden_states)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
-
-    def project_unrotated(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q [B, H, T, D], k and v [B, Hkv, T, D] with the teacher's q/k norms but before RoPE."""
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape)
-        k = self.k_proj(hidden_states).view(shape)
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        if self.config.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return q.transpose(1, 2), k.transpose(1, 2), v
-
-    def softmax_attention(self, q, k, v, attention_mask, **kwargs) -> torch.Tensor:
-        """The teacher's attention on already-projected q/k/v -> [B, T, H*D] (before o_proj)."""
-        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        out, _ = interface(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=0.0 if not self.training else self.config.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
-        return out.reshape(*out.shape[:2], -1).contiguous()
-
-
-class SoftmaxAttention(AttentionProjections):
-    """Multi-head softmax attention, exactly the teacher's."""
-
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache: Cache | None = None, **kwargs):
-        q, k, v = self.project(hidden_states, position_embeddings)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
-        return self.o_proj(self.softmax_attention(q, k, v, attention_mask, **kwargs))
+PADDING_KWARG = "linearize_padding_mask"  # how the 2D padding mask reaches the linear layers
 
 
 class HedgehogFeatureMap(nn.Module):
@@ -357,28 +222,56 @@ def add_sink_terms(
     return num, den, c_new
 
 
-class LinearAttention(AttentionProjections):
+
+class LinearAttention(nn.Module):
     """Linear attention on the teacher's projections: GLA or Performer, optionally with a softmax window.
 
     o_t = phi(q_t)^T S_t (/ phi(q_t)^T z_t), S_t = diag(a_t) S_{t-1} + phi(k_t) v_t^T. With a window
     of W tokens, the last W keys are attended by softmax and a key enters S when it leaves the
     window; both parts share one normalizer. The state lives per KV head (GQA).
 
+    A teacher's attention module becomes one in place (`convert`): its class becomes a subclass of
+    both, so it keeps its weights, attributes and its own forward, which is the teacher's softmax.
     `form` pins one of the three equal computations ("parallel", "chunk", "recurrent"); by default
     prefill chunks and short decoding steps use the recurrence. With `transfer` on (stage 1 of a
-    conversion) the layer also computes the teacher's softmax output, records the MSE between the
-    two in `transfer_loss` and passes the teacher's output on, so every layer sees teacher inputs.
+    conversion) the layer also runs the teacher's forward, records the MSE between the two in
+    `transfer_loss` and passes the teacher's output on, so every layer sees teacher inputs.
     """
 
-    def __init__(self, config: LinearizeConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        settings = config.linear_attention
+    apply_rotary: Callable  # the family's own apply_rotary_pos_emb (partial rotary included), set per class
+
+    @staticmethod
+    def convert(attention: nn.Module, config: LinearizeConfig, layer_idx: int, family: Family) -> LinearAttention:
+        """Turn the family's attention module `attention` into a linear layer, keeping its weights."""
+        if getattr(attention, "attn_logit_softcapping", None):
+            raise ValueError(
+                f"layer {layer_idx} soft-caps its attention logits, which linear attention cannot reproduce: keep it softmax"
+            )
+        attention.__class__ = linear_attention_class(type(attention))
+        attention.setup(config, layer_idx, family)
+        return attention
+
+    def setup(self, config: LinearizeConfig, layer_idx: int, family: Family) -> None:
+        teacher_parts = set(self._modules) | set(self._parameters) | set(self._buffers)
+        self._add_linear_parts(config, layer_idx, family)
+        # What the teacher does not have: stage 1 trains exactly these.
+        self.linear_parts = tuple(sorted((set(self._modules) | set(self._parameters) | set(self._buffers)) - teacher_parts))
+
+    def _add_linear_parts(self, config: LinearizeConfig, layer_idx: int, family: Family) -> None:
+        settings = dict(config.linear_attention)
+        self.family = family
+        self.settings = settings
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.kv_groups = self.n_heads // self.n_kv_heads
+        self.head_dim = getattr(self, "head_dim", None) or self.head_size
         self.kind = settings["kind"]
         self.map_name = settings["feature_map"]
         self.normalize = settings["normalize"]
         self.chunk_size = settings["chunk_size"]
         self.rope_features = settings["rope_features"]
-        self.window = settings["window"] if config.layer_types[layer_idx] == "hybrid_sliding" else 0
+        self.window = settings["window"]
         self.sink = settings["sink"] if self.window else 0
         self.form: str | None = None
         self.transfer = False
@@ -386,23 +279,40 @@ class LinearAttention(AttentionProjections):
         D = self.head_dim
         if self.map_name == "hedgehog":
             width = settings["feature_dim"] or D
-            self.feature_map_q = HedgehogFeatureMap(self.num_heads, D, width)
-            self.feature_map_k = HedgehogFeatureMap(self.num_kv_heads, D, width)
+            self.feature_map_q = HedgehogFeatureMap(self.n_heads, D, width)
+            self.feature_map_k = HedgehogFeatureMap(self.n_kv_heads, D, width)
             channels = 2 * width
         elif self.map_name == "performer":
             channels = settings["feature_dim"] or 4 * D
             generator = torch.Generator().manual_seed(settings["seed"] * 1000 + layer_idx)
-            projection = orthogonal_random_features(self.num_kv_heads, channels, D, generator)
+            projection = orthogonal_random_features(self.n_kv_heads, channels, D, generator)
             self.register_buffer("performer_projection", projection, persistent=True)
         else:
             channels = D
         self.gate = None
         if self.kind == "gla" and settings["gate"] == "lowrank":
             self.gate = LowRankGate(
-                config.hidden_size, self.num_kv_heads, channels, settings["gate_rank"], settings["decay_init"]
+                config.hidden_size, self.n_kv_heads, channels, settings["gate_rank"], settings["decay_init"]
             )
         if self.window and self.map_name != "performer":
-            self.window_factor = nn.Parameter(torch.full((self.num_heads,), WINDOW_FACTOR_INIT))
+            self.window_factor = nn.Parameter(torch.full((self.n_heads,), WINDOW_FACTOR_INIT))
+
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, H, T, D], k and v [B, Hkv, T, D] as the teacher computes them, q/k norms included, before RoPE."""
+        B, T = hidden_states.shape[:2]
+        D, family = self.head_dim, self.family
+        if family.qkv == "separate":
+            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        elif family.qkv == "fused":
+            q, k, v = self.qkv_proj(hidden_states).split([self.n_heads * D, self.n_kv_heads * D, self.n_kv_heads * D], -1)
+        else:
+            q, k, v = self.query_key_value(hidden_states).view(B, T, -1, 3 * D).chunk(3, dim=-1)
+        if family.qk_norm == "flat":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (x.reshape(B, T, -1, D) for x in (q, k, v))
+        if family.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _query_features(self, q: torch.Tensor) -> torch.Tensor:
         """phi(q) [B, H, T, F]; Performer returns its logits (the stabilizer is applied later)."""
@@ -411,7 +321,7 @@ class LinearAttention(AttentionProjections):
         if self.map_name == "elu":
             return elu_plus_one(q)
         if self.map_name == "performer":
-            projection = self.performer_projection.repeat_interleave(self.num_key_value_groups, dim=0)
+            projection = self.performer_projection.repeat_interleave(self.kv_groups, dim=0)
             return performer_logits(q, projection)
         return q
 
@@ -427,75 +337,84 @@ class LinearAttention(AttentionProjections):
 
     def _decay(self, hidden_states: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
         """Log-decay per step: [B, Hkv, T, F] from the low-rank gate, [B, Hkv, T, 1] from the keys, or None."""
-        if self.kind != "gla" or self.config.linear_attention["gate"] == "none":
+        if self.kind != "gla" or self.settings["gate"] == "none":
             return None
         return self.gate(hidden_states) if self.gate is not None else key_gate(k)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache: Cache | None = None, **kwargs):
-        q_raw, k_raw, v = self.project_unrotated(hidden_states)
-        q, k = apply_rotary_pos_emb(q_raw, k_raw, *position_embeddings)
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache: Cache | None = None, **kwargs):
+        """Called as the family's decoder layer calls its attention; returns (output, None): no weights to show."""
+        if self.family.cache_arg != "cache":
+            cache = kwargs.pop(self.family.cache_arg, cache)
         B, T = hidden_states.shape[:2]
+        q_raw, k_raw, v = self.project(hidden_states)
+        q, k = self.apply_rotary(q_raw, k_raw, *position_embeddings)
         if self.rope_features:
             q_raw, k_raw = q, k
-        out = self._attend(hidden_states, q, k, v, q_raw, k_raw, attention_mask, cache)
-        out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1).to(hidden_states.dtype))
-        if not self.transfer:
-            return out
-        with torch.no_grad():
-            valid = torch.ones(B, T, dtype=torch.bool, device=q.device)
-            if attention_mask is not None:
-                valid = attention_mask[:, -T:].to(torch.bool)
-            teacher = self.o_proj(self.softmax_attention(q, k, v, _padding_to_4d(valid, q.dtype)))
-        self.transfer_loss = F.mse_loss(out.float(), teacher.float())
-        return teacher
+        out = self._attend(hidden_states, q, k, v, q_raw, k_raw, kwargs.get(PADDING_KWARG), cache)
+        out = getattr(self, self.family.output)(out.transpose(1, 2).reshape(B, T, -1).to(hidden_states.dtype))
+        if self.transfer:
+            with torch.no_grad():
+                teacher, _ = super().forward(
+                    hidden_states,
+                    position_embeddings=position_embeddings,
+                    attention_mask=attention_mask,
+                    **{self.family.cache_arg: None},
+                    **kwargs,
+                )
+            self.transfer_loss = F.mse_loss(out.float(), teacher.float())
+            out = teacher
+        return out, None
 
-    def _attend(self, hidden_states, q, k, v, q_feat, k_feat, mask2d, cache):
+    def _attend(self, hidden_states, q, k, v, q_feat, k_feat, padding, cache):
         """The linear (+ window) attention output [B, H, T, D].
 
         q, k are RoPE'd (the softmax window and sinks use them); q_feat, k_feat are what the feature
         maps see: the same tensors, or q/k before RoPE when `rope_features` is off. Then keys waiting
-        in the window cache carry their unrotated copy beside the value, to enter the state later.
+        in the window carry their unrotated copy beside the value, to enter the state later.
         """
-        B, T = q.shape[0], q.shape[2]
+        B, T, D = q.shape[0], q.shape[2], self.head_dim
         g = self._decay(hidden_states, k)
-        valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if mask2d is None else mask2d[:, -T:].bool()
+        valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding is None else padding[:, -T:].bool()
+        seen = self._seen(cache)
         if self.window:
-            n_past = seen = 0
-            sinks = None
-            if cache is not None:
-                layer = cache.layers[self.layer_idx]
-                n_past = 0 if layer.keys is None else layer.keys.shape[2]
-                seen = layer.cumulative_length
-                sinks = self._load_sinks(layer)
-                k_new, v_new = k, v
-                if self.rope_features:
-                    k, v = cache.update(k, v, self.layer_idx)
-                    k_feat = k
-                else:
-                    k, values = cache.update(k, torch.cat([v, k_feat], dim=-1), self.layer_idx)
-                    v, k_feat = values[..., : self.head_dim], values[..., self.head_dim :]
-            else:
-                k_new, v_new = k, v
-            key_valid = mask2d[:, -k.shape[2] :].bool() if mask2d is not None else valid.new_ones(B, k.shape[2])
-            window_terms = window_softmax_terms(q, k, v, key_valid, self.window, self.scaling)
             positions = torch.arange(seen, seen + T, device=q.device)
+            parts = [k, v] if self.rope_features else [k, v, k_feat]
+            window_kv, key_valid = torch.cat(parts, dim=-1), valid
+            n_past = 0
+            if cache is not None:  # the window's last W tokens (zeros, marked invalid, before any)
+                past_kv = self._state(cache, "window_kv")
+                if past_kv is None:
+                    past_kv = window_kv.new_zeros(B, self.n_kv_heads, self.window, window_kv.shape[-1])
+                    past_valid = valid.new_zeros(B, self.window)
+                else:
+                    past_valid = self._state(cache, "window_valid")
+                n_past = self.window
+                window_kv = torch.cat([past_kv, window_kv], dim=2)
+                key_valid = torch.cat([past_valid, valid], dim=1)
+                self._store(cache, "window_kv", window_kv[:, :, -self.window :])
+                self._store(cache, "window_valid", key_valid[:, -self.window :])
+            k_all, v_all = window_kv[..., :D], window_kv[..., D : 2 * D]
+            k_feat = k_all if self.rope_features else window_kv[..., 2 * D :]
+            window_terms = window_softmax_terms(q, k_all, v_all, key_valid, self.window, self.scaling)
             if self.sink:
-                sinks = update_sinks(sinks, k_new, v_new, positions, valid, self.sink)
+                sinks = update_sinks(self._load_sinks(cache), k, v, positions, valid, self.sink)
                 window_terms = add_sink_terms(window_terms, q, sinks, positions, self.window, self.scaling)
                 self._save_sinks(cache, sinks)
-            k_feat, v = (shift_into_state(x[:, :, n_past:], x[:, :, :n_past], self.window) for x in (k_feat, v))
-            valid_all = key_valid[:, None, :, None]
-            valid = shift_into_state(valid_all[:, :, n_past:], valid_all[:, :, :n_past], self.window)[:, 0, :, 0]
+            k_feat, v = (shift_into_state(x[:, :, n_past:], x[:, :, :n_past], self.window) for x in (k_feat, v_all))
+            key_valid = key_valid[:, None, :, None]
+            valid = shift_into_state(key_valid[:, :, n_past:], key_valid[:, :, :n_past], self.window)[:, 0, :, 0]
             if self.sink:
                 # Sinks stay in the softmax part for good: they never enter the linear state.
                 entering = (positions - self.window).to(sinks[2].dtype)
                 valid = valid & ~(entering[None, :, None] == sinks[2][:, None, :]).any(-1)
+        if cache is not None:
+            self._store(cache, "seen", torch.full((B,), seen + T, dtype=torch.long, device=q.device))
         keep = valid[:, None, :, None]
         v = v * keep
         if g is not None:
             g = g * keep
         fq, fk = self._query_features(q_feat), self._key_features(k_feat)
-        state, stabilizer = self._load_state(cache)
+        state, stabilizer = self._state(cache, "memory"), self._state(cache, "stabilizer")
         q_stab = key_stab = None
         if self.map_name == "performer":
             q_stab = fq.amax(-1, keepdim=True).detach()
@@ -511,7 +430,9 @@ class LinearAttention(AttentionProjections):
         o, state = gated_linear_attention(
             fq, fk, v, g, scale=scale, initial_state=state, mode=mode, chunk_size=self.chunk_size
         )
-        self._save_state(cache, state, stabilizer)
+        self._store(cache, "memory", state)
+        if stabilizer is not None:
+            self._store(cache, "stabilizer", stabilizer)
         if not self.normalize:
             return o
         num, den = o[..., :-1], o[..., -1:]
@@ -519,7 +440,7 @@ class LinearAttention(AttentionProjections):
             win_num, win_den, win_max = window_terms
             if self.map_name == "performer":
                 # Put the FAVOR+ estimate on the window's scale: both parts then estimate exp(q.k/sqrt(D) - c).
-                key_stab = key_stab.repeat_interleave(self.num_key_value_groups, dim=1)
+                key_stab = key_stab.repeat_interleave(self.kv_groups, dim=1)
                 rescale = (q_stab + key_stab - win_max).clamp(max=60.0).exp()
                 num, den = num * rescale, den * rescale
             else:
@@ -545,73 +466,109 @@ class LinearAttention(AttentionProjections):
         features = performer(key_logits, per_step) * keep
         return features, g, running[:, :, -1:], per_step
 
-    def _load_sinks(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        if not self.sink or not layer.is_recurrent_states_initialized[2]:
+    def _state(self, cache: Cache | None, name: str) -> torch.Tensor | None:
+        """One of this layer's cached states (see STATES), or None before the first step."""
+        if cache is None:
             return None
-        kv, positions = layer.recurrent_states[2], layer.recurrent_states[3]
-        return kv[..., : self.head_dim], kv[..., self.head_dim :], positions
+        layer, index = cache.layers[self.layer_idx], STATES[name]
+        return layer.recurrent_states[index] if layer.is_recurrent_states_initialized[index] else None
+
+    def _store(self, cache: Cache | None, name: str, value: torch.Tensor) -> None:
+        if cache is not None:
+            cache.update_recurrent_state(value, self.layer_idx, state_idx=STATES[name])
+
+    def _seen(self, cache: Cache | None) -> int:
+        """How many tokens (padding included) this layer has taken in from `cache`: the new ones' first index."""
+        seen = self._state(cache, "seen")
+        return 0 if seen is None else int(seen[0])
+
+    def _load_sinks(self, cache: Cache | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        kv, positions = self._state(cache, "sink_kv"), self._state(cache, "sink_positions")
+        return None if kv is None else (kv[..., : self.head_dim], kv[..., self.head_dim :], positions)
 
     def _save_sinks(self, cache: Cache | None, sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        if cache is not None:
-            cache.update_recurrent_state(torch.cat(sinks[:2], dim=-1), self.layer_idx, state_idx=2)
-            cache.update_recurrent_state(sinks[2], self.layer_idx, state_idx=3)
-
-    def _load_state(self, cache: Cache | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if cache is None:
-            return None, None
-        layer = cache.layers[self.layer_idx]
-        state = layer.recurrent_states[0] if layer.is_recurrent_states_initialized[0] else None
-        stabilizer = layer.recurrent_states[1] if layer.is_recurrent_states_initialized[1] else None
-        return state, stabilizer
-
-    def _save_state(self, cache: Cache | None, state: torch.Tensor, stabilizer: torch.Tensor | None) -> None:
-        if cache is None:
-            return
-        cache.update_recurrent_state(state, self.layer_idx, state_idx=0)
-        if stabilizer is not None:
-            cache.update_recurrent_state(stabilizer, self.layer_idx, state_idx=1)
+        self._store(cache, "sink_kv", torch.cat(sinks[:2], dim=-1))
+        self._store(cache, "sink_positions", sinks[2])
 
 
-def _padding_to_4d(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, T] key validity -> additive causal mask [B, 1, T, T]."""
-    T = valid.shape[1]
-    allowed = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril() & valid[:, None, None, :]
-    allowed = allowed | torch.eye(T, dtype=torch.bool, device=valid.device)
-    return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(~allowed, torch.finfo(dtype).min)
+_LINEAR_CLASSES: dict[type, type] = {}
 
 
-class LinearizeDecoderLayer(nn.Module):
-    def __init__(self, config: LinearizeConfig, layer_idx: int):
-        super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
-        attention = SoftmaxAttention if self.layer_type == "full_attention" else LinearAttention
-        self.self_attn = attention(config, layer_idx)
-        self.mlp = LinearizeMLP(config)
-        self.input_layernorm = LinearizeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LinearizeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+def linear_attention_class(base: type[nn.Module]) -> type[LinearAttention]:
+    """`LinearAttention` over the family's attention class (one class per family, made once)."""
+    if issubclass(base, LinearAttention):
+        return base
+    if base not in _LINEAR_CLASSES:
+        import sys
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        residual = hidden_states
-        hidden_states = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, **kwargs
-        )
-        hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        rotary = getattr(sys.modules[base.__module__], "apply_rotary_pos_emb", None)
+        if rotary is None:
+            raise ValueError(f"{base.__name__} has no apply_rotary_pos_emb beside it: its family is not supported")
+        _LINEAR_CLASSES[base] = type(f"Linear{base.__name__}", (LinearAttention, base), {"apply_rotary": staticmethod(rotary)})
+    return _LINEAR_CLASSES[base]
 
 
-class LinearizePreTrainedModel(PreTrainedModel):
+_HYBRID_CLASSES: dict[str, type] = {}
+
+
+def hybrid_class(config: LinearizeConfig) -> type[LinearizeForCausalLM]:
+    """The class of a model: `LinearizeForCausalLM` over the base family's causal LM class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    kind = config.base_model_type
+    if kind not in _HYBRID_CLASSES:
+        base = MODEL_FOR_CAUSAL_LM_MAPPING[base_config_class(kind)]
+        cls = type("LinearizeForCausalLM", (LinearizeForCausalLM, base), {"__module__": __name__})
+        cls.__qualname__ = f"LinearizeForCausalLM[{base.__name__}]"
+        _HYBRID_CLASSES[kind] = cls
+    return _HYBRID_CLASSES[kind]
+
+
+class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
+    """The base family's causal LM with the linear layers of `config.layer_types` converted.
+
+    `LinearizeForCausalLM(config)` and `from_pretrained` give an instance of `hybrid_class(config)`,
+    which subclasses both this class and the family's (e.g. `LlamaForCausalLM`): everything not
+    defined here (weight tying, initialization, device maps, generation, output capture) is the
+    family's. `self.config` is the LinearizeConfig (its `layer_types` build the hybrid cache); the
+    family's modules hold `config.base_config()`.
+    """
+
     config_class = LinearizeConfig
-    config: LinearizeConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
-    _no_split_modules = ["LinearizeDecoderLayer"]
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_attention_backend = True
+
+    def __new__(cls, config: LinearizeConfig | None = None, *args, **kwargs):
+        if cls is LinearizeForCausalLM:  # (copies arrive here with their class and no config)
+            cls = hybrid_class(config)
+        return super().__new__(cls)
+
+    def __init__(self, config: LinearizeConfig, *args, **kwargs):
+        base = config.base_config()
+        super().__init__(base, *args, **kwargs)
+        config._attn_implementation_internal = base._attn_implementation_internal
+        self.config = config
+        family = family_of(base)
+        layers = self.base_model.layers
+        for index, kind in enumerate(config.layer_types):
+            if kind == LINEAR:
+                LinearAttention.convert(getattr(layers[index], family.attention), config, index, family)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, config: LinearizeConfig | None = None, **kwargs):
+        if cls is not LinearizeForCausalLM:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+        if not isinstance(config, LinearizeConfig):
+            hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
+            config = LinearizeConfig.from_pretrained(pretrained_model_name_or_path, **hub)
+        return hybrid_class(config).from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+
+    @classmethod
+    def _from_config(cls, config: LinearizeConfig, **kwargs):
+        target = hybrid_class(config) if cls is LinearizeForCausalLM else cls
+        return super(LinearizeForCausalLM, target)._from_config(config, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Base init for the teacher's module kinds; the linear layers' own init for the new parameters."""
+        """The family's init for its modules; the linear layers' own init for the new parameters."""
         if not getattr(module, "gate_owned", False):
             super()._init_weights(module)
         if isinstance(module, (HedgehogFeatureMap, LowRankGate)):
@@ -619,98 +576,7 @@ class LinearizePreTrainedModel(PreTrainedModel):
         elif isinstance(module, LinearAttention) and hasattr(module, "window_factor"):
             init.constant_(module.window_factor, WINDOW_FACTOR_INIT)
 
-
-class LinearizeModel(LinearizePreTrainedModel):
-    """The backbone: embeddings, decoder layers, final norm."""
-
-    def __init__(self, config: LinearizeConfig):
-        super().__init__(config)
-        self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(LinearizeDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = LinearizeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LinearizeRotaryEmbedding(config)
-        self.gradient_checkpointing = False
-        self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
-
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> BaseModelOutputWithPast:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        T = inputs_embeds.shape[1]
-        if attention_mask is not None and attention_mask.ndim != 2:
-            raise ValueError("linearize models take a 2D [batch, tokens] attention_mask")
-        if position_ids is None:
-            position_ids = self._position_ids(attention_mask, cache, T, inputs_embeds.device)
-
-        full_mask = None
-        if "full_attention" in self.config.layer_types:
-            full_mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                cache=cache,
-                position_ids=position_ids,
-            )
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        for layer in self.layers:
-            mask = full_mask if layer.layer_type == "full_attention" else attention_mask
-            if self.gradient_checkpointing and self.training:
-                hidden_states = self._gradient_checkpointing_func(
-                    layer.__call__, hidden_states, position_embeddings, mask, cache
-                )
-            else:
-                hidden_states = layer(hidden_states, position_embeddings, mask, cache, **kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
-
-    def _position_ids(self, attention_mask, cache, T: int, device) -> torch.Tensor:
-        """Positions from the padding mask when there is one (left padding), else from what the cache has seen."""
-        if attention_mask is not None:
-            return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:]
-        past = 0
-        if cache is not None and any(t != "linear_attention" for t in self.config.layer_types):
-            past = cache.get_seq_length()
-        elif cache is not None and any(layer.is_recurrent_states_initialized[0] for layer in cache.layers):
-            raise ValueError("an all-linear model continuing from a cache needs attention_mask or position_ids")
-        return torch.arange(past, past + T, device=device)[None]
-
-
-class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-    def __init__(self, config: LinearizeConfig):
-        super().__init__(config)
-        self.model = LinearizeModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
-
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -722,23 +588,64 @@ class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
-        outputs = self.model(
+    ):
+        """The family's forward, with the hybrid cache, the padding mask for linear layers and per-layer attentions."""
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        self._check_cache(cache)
+        linear = [kind == LINEAR for kind in self.config.layer_types]
+        if attention_mask is not None and attention_mask.ndim == 2:
+            kwargs[PADDING_KWARG] = attention_mask
+        if cache is not None and all(linear):
+            # No softmax layer needs a mask or a KV length, and the family's mask and position code would look
+            # for one in the cache: positions come from the linear layers' own count, the mask is a placeholder.
+            embeds = inputs_embeds if inputs_embeds is not None else input_ids
+            B, T = embeds.shape[:2]
+            if position_ids is None:
+                seen = cache.layers[0].recurrent_states[STATES["seen"]]
+                start = int(seen[0]) if cache.layers[0].is_recurrent_states_initialized[STATES["seen"]] else 0
+                position_ids = torch.arange(start, start + T, device=embeds.device)[None]
+            attention_mask = torch.ones(B, 1, T, 1, dtype=torch.bool, device=embeds.device)
+        return_dict = kwargs.pop("return_dict", None)
+        out = super().forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
             inputs_embeds=inputs_embeds,
+            labels=labels,
             use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            return_dict=True,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+        if out.attentions is not None and len(out.attentions) == linear.count(False) and any(linear):
+            recorded = iter(out.attentions)
+            out.attentions = tuple(None if is_linear else next(recorded) for is_linear in linear)
+        return out if (getattr(self.config, "return_dict", True) if return_dict is None else return_dict) else out.to_tuple()
+
+    def _check_cache(self, cache: Cache | None) -> None:
+        if cache is None:
+            return
+        kinds = self.config.layer_types
+        if not isinstance(cache, Cache) or len(cache.layers) != len(kinds) or any(
+            (kind == LINEAR) != isinstance(layer, LinearAttentionCacheLayerMixin) for kind, layer in zip(kinds, cache.layers)
+        ):
+            raise ValueError("this model's cache holds linear states: build it with DynamicCache(config=model.config)")
+
+    def generate(self, *args, **kwargs):
+        """The family's generate; assisted decoding is refused, as a recurrent state cannot be rolled back."""
+        config = kwargs.get("generation_config")
+        assisted = kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") or (
+            config is not None and (config.prompt_lookup_num_tokens or getattr(config, "assistant_early_exit", None))
+        )
+        if assisted and LINEAR in self.config.layer_types:
+            raise ValueError(
+                "assisted and speculative decoding roll the cache back, which linear layers' recurrent state cannot do: "
+                "generate without assistant_model / prompt_lookup_num_tokens"
+            )
+        return super().generate(*args, **kwargs)
 
 
-__all__ = ["LinearizeConfig", "LinearizeForCausalLM", "LinearizeModel", "LinearizePreTrainedModel"]
+__all__ = ["LinearizeConfig", "LinearizeForCausalLM", "LinearAttention"]

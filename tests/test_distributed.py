@@ -92,7 +92,7 @@ def test_convert_a_model_in_memory(tiny_llama_dir, tmp_path):
     assert isinstance(student, LinearizeForCausalLM) and isinstance(report, ConversionReport)
     # 4 layers, 3:1 with layer 0 kept softmax: one softmax layer in all, layer 0
     assert report.plan == "SLLL"
-    assert student.config.layer_types == ["full_attention"] + ["hybrid_sliding"] * 3
+    assert student.config.layer_types == ["full_attention"] + ["linear_attention"] * 3
     assert set(report.stages) == {"transfer", "finetune"} and report.stages["transfer"]["steps"] == 2
     assert set(report.perplexity) == {"teacher", "zero_shot", "student"}
     assert report.resolved == str(tiny_llama_dir)

@@ -70,7 +70,7 @@ def test_long_sequence_transfer_step_trains_a_tiny_model(tiny_llama_dir, tiny_to
     """Sequences of 384 tokens: 6 chunks of 64 and dozens of window hand-overs per row, on a curriculum."""
     teacher = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     settings = {**Recipe().linear_attention(), "window": 16, "sink": 2, "rope_features": False}
-    types = plan_layers(4, 16, linear_layers=[0, 1, 3])
+    types = plan_layers(4, linear_layers=[0, 1, 3])
     student = linearize_model(teacher, types, settings, "tiny")
     before = {k: v.detach().clone() for k, v in new_parameters(student).items()}
     stage = dataclasses.replace(Recipe().transfer, tokens=3 * 384, seq_len=[96, 384], batch_size=4, lr=1e-2)
@@ -90,7 +90,7 @@ def test_lora_on_every_layer_adapts_the_softmax_layers_too(tiny_llama_dir, tiny_
 
     teacher = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     settings = {**Recipe().linear_attention(), "window": 16, "sink": 2}
-    student = linearize_model(teacher, plan_layers(4, 16, linear_layers=[0, 1]), settings, "tiny")
+    student = linearize_model(teacher, plan_layers(4, linear_layers=[0, 1]), settings, "tiny")
     wrapped = []
     real = peft.get_peft_model
     monkeypatch.setattr(peft, "get_peft_model", lambda model, config: wrapped.append(config) or real(model, config))

@@ -27,17 +27,18 @@ from transformers import (
 from transformers.cache_utils import (
     DynamicCache,
     DynamicLayer,
-    LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionLayer,
 )
 
 from linearize.convert.swap import check_supported, linearize_model
-from linearize.modeling.configuration_linearize import LinearizeConfig
-from linearize.modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM, repeat_kv
+from linearize.modeling.configuration_linearize import STATES, LinearizeConfig
+from transformers.models.llama.modeling_llama import repeat_kv
+
+from linearize.modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-LIN, FULL, HYB = "linear_attention", "full_attention", "hybrid_sliding"
+LIN, FULL = "linear_attention", "full_attention"
 VOCAB = 128
 
 
@@ -135,10 +136,10 @@ def random_ids(*shape: int, seed: int = 0) -> torch.Tensor:
 
 FORM_CASES = {
     "gla-hedgehog-lowrank": ([LIN, FULL, LIN], {"gate": "lowrank", "chunk_size": 16}),
-    "gla-hedgehog-lowrank-window4": ([HYB, FULL, HYB], {"gate": "lowrank", "window": 4, "chunk_size": 16}),
-    "gla-hedgehog-lowrank-window4-sink2": ([HYB, FULL, HYB], {"gate": "lowrank", "window": 4, "sink": 2, "chunk_size": 16}),
-    "gla-hedgehog-key-window8-chunk32": ([HYB, LIN], {"gate": "key", "window": 8, "chunk_size": 32}),
-    "gla-elu-key-window8": ([HYB, LIN], {"feature_map": "elu", "gate": "key", "window": 8, "chunk_size": 16}),
+    "gla-hedgehog-lowrank-window4": ([LIN, FULL, LIN], {"gate": "lowrank", "window": 4, "chunk_size": 16}),
+    "gla-hedgehog-lowrank-window4-sink2": ([LIN, FULL, LIN], {"gate": "lowrank", "window": 4, "sink": 2, "chunk_size": 16}),
+    "gla-hedgehog-key-window8-chunk32": ([LIN, LIN], {"gate": "key", "window": 8, "chunk_size": 32}),
+    "gla-elu-key-window8": ([LIN, LIN], {"feature_map": "elu", "gate": "key", "window": 8, "chunk_size": 16}),
     "gla-elu-nogate": ([LIN, LIN], {"feature_map": "elu", "gate": "none", "chunk_size": 16}),
     "gla-identity-unnormalized-lowrank": (
         [LIN, FULL],
@@ -150,15 +151,15 @@ FORM_CASES = {
     ),
     "performer": ([LIN, FULL], {"kind": "performer", "feature_map": "performer", "chunk_size": 16}),
     "performer-window4": (
-        [HYB, HYB],
+        [LIN, LIN],
         {"kind": "performer", "feature_map": "performer", "feature_dim": 48, "window": 4, "chunk_size": 16},
     ),
     "performer-window4-sink3": (
-        [HYB, HYB],
+        [LIN, LIN],
         {"kind": "performer", "feature_map": "performer", "feature_dim": 48, "window": 4, "sink": 3, "chunk_size": 16},
     ),
     "gla-hedgehog-lowrank-window4-sink2-unrotated": (
-        [HYB, FULL, HYB],
+        [LIN, FULL, LIN],
         {"gate": "lowrank", "window": 4, "sink": 2, "chunk_size": 16, "rope_features": False},
     ),
 }
@@ -204,7 +205,7 @@ def dense_linear_attention(layer: LinearAttention, hidden: torch.Tensor, q, k, v
     The first S tokens (attention sinks) always take the softmax side and never enter the state.
     The feature maps see q_feat/k_feat (q/k before RoPE) when given, else the RoPE'd q/k.
     """
-    groups, W, S = layer.num_key_value_groups, layer.window, layer.sink
+    groups, W, S = layer.kv_groups, layer.window, layer.sink
     T = q.shape[2]
     g = layer._decay(hidden, k)
     fq = layer._query_features(q if q_feat is None else q_feat)
@@ -233,12 +234,12 @@ def dense_linear_attention(layer: LinearAttention, hidden: torch.Tensor, q, k, v
 
 DENSE_CASES = {
     "hedgehog-lowrank": ([LIN], {"gate": "lowrank"}),
-    "hedgehog-lowrank-window4": ([HYB], {"gate": "lowrank", "window": 4}),
-    "elu-key-window8": ([HYB], {"feature_map": "elu", "gate": "key", "window": 8}),
-    "hedgehog-lowrank-window4-sink2": ([HYB], {"gate": "lowrank", "window": 4, "sink": 2}),
-    "elu-nogate-window4": ([HYB], {"feature_map": "elu", "gate": "none", "window": 4}),
+    "hedgehog-lowrank-window4": ([LIN], {"gate": "lowrank", "window": 4}),
+    "elu-key-window8": ([LIN], {"feature_map": "elu", "gate": "key", "window": 8}),
+    "hedgehog-lowrank-window4-sink2": ([LIN], {"gate": "lowrank", "window": 4, "sink": 2}),
+    "elu-nogate-window4": ([LIN], {"feature_map": "elu", "gate": "none", "window": 4}),
     "identity-unnormalized-lowrank": ([LIN], {"feature_map": "identity", "normalize": False}),
-    "hedgehog-lowrank-window4-sink2-unrotated": ([HYB], {"gate": "lowrank", "window": 4, "sink": 2, "rope_features": False}),
+    "hedgehog-lowrank-window4-sink2-unrotated": ([LIN], {"gate": "lowrank", "window": 4, "sink": 2, "rope_features": False}),
     "hedgehog-lowrank-unrotated": ([LIN], {"gate": "lowrank", "rope_features": False}),
 }
 
@@ -256,9 +257,10 @@ def test_linear_layer_matches_dense_math(case, form):
     ids = random_ids(2, 37, seed=9)
     hidden = layer.input_layernorm(model.model.embed_tokens(ids))
     position_embeddings = model.model.rotary_emb(hidden, torch.arange(37)[None])
-    got = attn(hidden, position_embeddings)
-    q, k, v = attn.project(hidden, position_embeddings)
-    q_raw, k_raw, _ = attn.project_unrotated(hidden)
+    got, weights = attn(hidden, position_embeddings)
+    assert weights is None
+    q_raw, k_raw, v = attn.project(hidden)
+    q, k = attn.apply_rotary(q_raw, k_raw, *position_embeddings)
     unrotated = not settings.get("rope_features", True)
     expected = dense_linear_attention(attn, hidden, q, k, v, *((q_raw, k_raw) if unrotated else (None, None)))
     if unrotated:  # the check must be able to fail: RoPE'd features give another answer
@@ -287,12 +289,12 @@ def test_parallel_form_runs_in_other_dtypes(gate, dtype):
 
 PLANS = {
     "linear": ([LIN, FULL, LIN], {"chunk_size": 16}),
-    "hybrid_sliding": ([HYB, FULL, HYB], {"window": 4, "chunk_size": 16}),
-    "hybrid_sliding_sinks": ([HYB, FULL, HYB], {"window": 4, "sink": 3, "chunk_size": 16}),
-    "hybrid_sliding_sinks_unrotated": ([HYB, FULL, HYB], {"window": 4, "sink": 3, "chunk_size": 16, "rope_features": False}),
+    "window": ([LIN, FULL, LIN], {"window": 4, "chunk_size": 16}),
+    "window_sinks": ([LIN, FULL, LIN], {"window": 4, "sink": 3, "chunk_size": 16}),
+    "window_sinks_unrotated": ([LIN, FULL, LIN], {"window": 4, "sink": 3, "chunk_size": 16, "rope_features": False}),
     "linear_unrotated": ([LIN, FULL, LIN], {"chunk_size": 16, "rope_features": False}),
     "all_linear": ([LIN, LIN, LIN], {"chunk_size": 16}),
-    "all_hybrid_performer": ([HYB, HYB, HYB], {"kind": "performer", "feature_map": "performer", "window": 4}),
+    "all_hybrid_performer": ([LIN, LIN, LIN], {"kind": "performer", "feature_map": "performer", "window": 4}),
 }
 PROMPT = 21  # > RECURRENT_MAX_TOKENS (prefill takes the chunked path), > window, not a multiple of the chunk
 NEW = 24
@@ -373,12 +375,22 @@ def test_prefill_in_pieces_equals_one_pass(plan_model):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
 
 
-def test_all_linear_continuation_needs_positions():
-    model = make_model([LIN, LIN], {"chunk_size": 16})
+@torch.no_grad()
+def test_all_linear_continuation_counts_its_own_positions():
+    """No softmax layer holds a KV length: positions continue from the linear layers' own count."""
+    model = make_model([LIN, LIN], {"window": 4, "chunk_size": 16})
+    ids = random_ids(1, 12)
+    full = model(ids, use_cache=False).logits
     cache = DynamicCache(config=model.config)
-    model(random_ids(1, 5), cache=cache, use_cache=True)
-    with pytest.raises(ValueError, match="attention_mask or position_ids"):
-        model(random_ids(1, 1), cache=cache, use_cache=True)
+    model(ids[:, :7], cache=cache, use_cache=True)
+    step = model(ids[:, 7:], cache=cache, use_cache=True).logits
+    torch.testing.assert_close(step, full[:, 7:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_without_linear_layers_is_refused():
+    model = make_model([LIN, FULL], {"chunk_size": 16})
+    with pytest.raises(ValueError, match=r"DynamicCache\(config=model.config\)"):
+        model(random_ids(1, 5), cache=DynamicCache(), use_cache=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,7 +418,7 @@ def test_cache_does_not_grow(kind):
         settings.update(kind="performer", feature_map="performer")
     if kind == "gla-sinks":
         settings.update(sink=2)
-    model = make_model([LIN, HYB, FULL], settings, seed=5)
+    model = make_model([LIN, LIN, FULL], settings, seed=5)
     prompt = random_ids(1, 9, seed=41)
     caches = {}
     for n in (10, 1000):
@@ -420,13 +432,14 @@ def test_cache_does_not_grow(kind):
     assert kv_bytes(short[0]) == kv_bytes(long[0]) == 0
     if kind == "performer":  # the key stabilizer is the second state
         assert all(isinstance(long[0].recurrent_states[i], torch.Tensor) for i in (0, 1))
-    # layer 1: hybrid -> the same fixed state plus a KV window bounded by the window
-    assert isinstance(long[1], LinearAttentionAndSlidingWindowAttentionLayer)
-    assert recurrent_bytes(short[1]) == recurrent_bytes(long[1]) >= recurrent_bytes(long[0])
+    # layer 1: the same fixed state, the window's last `window` keys/values among its states
+    assert type(long[1]) is LinearAttentionLayer
+    assert recurrent_bytes(short[1]) == recurrent_bytes(long[1])
+    window_kv = long[1].recurrent_states[STATES["window_kv"]]
+    assert window_kv.shape[2] == window
     if kind == "gla-sinks":  # the two sink tokens' keys/values and positions, a fixed size too
-        assert long[1].recurrent_states[2].shape[2] == 2 and long[1].recurrent_states[3].shape[1] == 2
-    assert long[1].keys.shape[2] <= window and short[1].keys.shape[2] <= window
-    assert kv_bytes(short[1]) == kv_bytes(long[1]) > 0
+        assert long[1].recurrent_states[STATES["sink_kv"]].shape[2] == 2
+        assert long[1].recurrent_states[STATES["sink_positions"]].shape[1] == 2
     # layer 2: softmax -> an ordinary KV cache that grows with every token
     assert type(long[2]) is DynamicLayer
     assert long[2].keys.shape[2] == 9 + 1000 - 1
@@ -434,7 +447,7 @@ def test_cache_does_not_grow(kind):
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. other Llama-family teachers swap exactly
+# 6. other teachers swap exactly
 
 
 def _base(**extra):
@@ -479,7 +492,7 @@ def test_all_full_attention_student_equals_teacher(name):
     teacher = make_teacher(name)
     before = copy.deepcopy(teacher.state_dict())
     student = linearize_model(teacher, [FULL] * 3).eval()
-    assert type(student) is LinearizeForCausalLM
+    assert isinstance(student, LinearizeForCausalLM) and isinstance(student, type(teacher))
     assert student.config.base_model_type == teacher.config.model_type
     for key, value in before.items():  # the teacher is untouched and every weight keeps its name
         assert torch.equal(teacher.state_dict()[key], value)
@@ -500,10 +513,11 @@ def test_all_full_attention_student_equals_teacher(name):
 @torch.no_grad()
 def test_partly_linear_student_runs_and_generates(name):
     teacher = make_teacher(name)
-    student = linearize_model(teacher, [LIN, FULL, HYB], {"window": 4, "chunk_size": 16}).eval()
+    student = linearize_model(teacher, [LIN, FULL, LIN], {"window": 4, "chunk_size": 16}).eval()
     assert isinstance(student.model.layers[0].self_attn, LinearAttention)
     assert not isinstance(student.model.layers[1].self_attn, LinearAttention)
     ids = random_ids(1, PROMPT, seed=4)
+    student.generation_config.eos_token_id = None  # compare all 10 steps, as the recomputation does
     cached = student.generate(ids, max_new_tokens=10, do_sample=False)
     expected, _ = greedy_by_recomputation(student, ids, 10)
     assert cached[0, PROMPT:].tolist() == expected[0].tolist()
@@ -513,7 +527,7 @@ def test_partly_linear_student_runs_and_generates(name):
 def test_transfer_mode_passes_the_teacher_output_on():
     """Stage 1: linear layers in `transfer` mode output the teacher's softmax result and record their MSE to it."""
     teacher = make_teacher("llama-bias-tied")
-    student = linearize_model(teacher, [LIN, FULL, HYB], {"window": 4, "chunk_size": 16}).eval()
+    student = linearize_model(teacher, [LIN, FULL, LIN], {"window": 4, "chunk_size": 16}).eval()
     randomize_new_parameters(student)
     linear = [m for m in student.modules() if isinstance(m, LinearAttention)]
     for module in linear:
@@ -529,7 +543,7 @@ def test_transfer_mode_passes_the_teacher_output_on():
     assert not torch.allclose(student(ids, attention_mask=mask).logits[valid], got, atol=1e-3)
 
 
-@pytest.mark.parametrize("plan", ["linear", "hybrid_sliding"])
+@pytest.mark.parametrize("plan", ["linear", "window"])
 @torch.no_grad()
 def test_bfloat16_model_runs_close_to_fp32(plan):
     layer_types, settings = PLANS[plan]
@@ -605,9 +619,10 @@ def tiny_config(layer_types, settings=None) -> LinearizeConfig:
         ([LIN, FULL, LIN], r"3 entries"),
         (
             ["full", "linear"],
-            r"unknown layer types \['full', 'linear'\].*full_attention.*linear_attention.*hybrid_sliding",
+            r"unknown layer types \['full', 'linear'\].*full_attention.*linear_attention",
         ),
         ([FULL, "sliding_attention"], r"unknown layer types \['sliding_attention'\]"),
+        ([FULL, "hybrid_sliding"], r"unknown layer types \['hybrid_sliding'\]"),
     ],
 )
 def test_bad_layer_types_raise_clear_value_error(layer_types, pattern):
@@ -629,8 +644,8 @@ def test_bad_layer_plan_through_swap():
         ([LIN, LIN], {"gate": "sigmoid"}, r"gate='sigmoid'.*lowrank, key or none"),
         ([LIN, LIN], {"kind": "performer", "feature_map": "elu"}, r"feature_map='performer'"),
         ([LIN, LIN], {"kind": "performer", "feature_map": "performer", "normalize": False}, r"normalize=true"),
-        ([HYB, LIN], {"window": 4, "normalize": False}, r"window needs normalize=true"),
-        ([HYB, LIN], {}, r"hybrid_sliding layers need linear_attention.window > 0"),
+        ([LIN, LIN], {"window": 4, "normalize": False}, r"window needs normalize=true"),
+        ([LIN, LIN], {"sink": 2}, r"sinks live in the softmax window"),
         ([LIN, LIN], {"decay_init": [0.9, 1.0]}, r"decay_init=\[0.9, 1.0\].*two decays in \(0, 1\)"),
     ],
 )
@@ -651,7 +666,7 @@ def test_unknown_linear_attention_key_is_rejected():
 @pytest.mark.parametrize("window", [-3, 2.5])
 def test_bad_window_value_is_rejected(window):
     with pytest.raises(ValueError, match="window"):
-        tiny_config([HYB, LIN], {"window": window})
+        tiny_config([LIN, LIN], {"window": window})
 
 
 def test_gla_gate_with_performer_features_is_used_or_rejected():

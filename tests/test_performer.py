@@ -10,19 +10,23 @@
 
 from __future__ import annotations
 
+import copy
+
 import math
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, repeat_kv
 
 from linearize.convert.data import heldout_text
 from linearize.convert.swap import student_config
 from linearize.modeling.configuration_linearize import LinearizeConfig
-from linearize.modeling.modeling_linearize import LinearAttention, LinearizeRotaryEmbedding, repeat_kv
+from linearize.modeling.families import FAMILIES
+from linearize.modeling.modeling_linearize import LinearAttention
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-LIN, HYB = "linear_attention", "hybrid_sliding"
+LIN = "linear_attention"
 
 
 def performer_config(M: int, window: int = 0, seed: int = 0, D: int = 16, chunk_size: int = 16) -> LinearizeConfig:
@@ -34,7 +38,7 @@ def performer_config(M: int, window: int = 0, seed: int = 0, D: int = 16, chunk_
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=D,
-        layer_types=[HYB if window else LIN],
+        layer_types=[LIN],
         linear_attention={
             "kind": "performer",
             "feature_map": "performer",
@@ -44,6 +48,18 @@ def performer_config(M: int, window: int = 0, seed: int = 0, D: int = 16, chunk_
             "chunk_size": chunk_size,
         },
     )
+
+
+def performer_layer(config: LinearizeConfig, index: int = 0, attention: torch.nn.Module | None = None) -> LinearAttention:
+    """A Llama attention module (random, or a copy of the teacher's) converted to this config's linear layer."""
+    attention = LlamaAttention(config.base_config(), index) if attention is None else copy.deepcopy(attention)
+    return LinearAttention.convert(attention, config, index, FAMILIES["llama"])
+
+
+def project(layer: LinearAttention, hidden: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
+    """RoPE'd q, k and v, as the layer's window and the teacher's softmax see them."""
+    q, k, v = layer.project(hidden)
+    return (*layer.apply_rotary(q, k, *position_embeddings), v)
 
 
 def causal_softmax(q, k, v, scaling: float) -> torch.Tensor:
@@ -82,15 +98,15 @@ def dense_favor(q, k, v, projection, window: int) -> torch.Tensor:
 def test_performer_layer_is_exact_favor_plus(window, form):
     config = performer_config(M=40, window=window, D=16)
     torch.manual_seed(0)
-    layer = LinearAttention(config, 0).double().eval()
+    layer = performer_layer(config).double().eval()
     layer.form = form
-    rotary = LinearizeRotaryEmbedding(config)
+    rotary = LlamaRotaryEmbedding(config.base_config())
     hidden = torch.randn(2, 37, config.hidden_size, dtype=torch.float64)
     position_embeddings = rotary(hidden, torch.arange(37)[None])
     position_embeddings = tuple(x.double() for x in position_embeddings)
     with torch.no_grad():
-        got = layer(hidden, position_embeddings)
-        q, k, v = layer.project(hidden, position_embeddings)
+        got, _ = layer(hidden, position_embeddings)
+        q, k, v = project(layer, hidden, position_embeddings)
         expected = dense_favor(q, k, v, layer.performer_projection.double(), window)
         expected = layer.o_proj(expected.transpose(1, 2).reshape(2, 37, -1))
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
@@ -98,14 +114,14 @@ def test_performer_layer_is_exact_favor_plus(window, form):
 
 def test_performer_random_features_are_a_saved_buffer():
     config = performer_config(M=32)
-    layer = LinearAttention(config, 0)
+    layer = performer_layer(config)
     assert "performer_projection" in layer.state_dict()
-    other = LinearAttention(performer_config(M=32, seed=1), 0)
+    other = performer_layer(performer_config(M=32, seed=1))
     assert not torch.equal(layer.performer_projection, other.performer_projection)
     other.load_state_dict(layer.state_dict())
     assert torch.equal(layer.performer_projection, other.performer_projection)
     # same seed, same features: a rebuilt model draws the same matrix
-    assert torch.equal(LinearAttention(config, 0).performer_projection, layer.performer_projection)
+    assert torch.equal(performer_layer(config).performer_projection, layer.performer_projection)
 
 
 def test_performer_converges_to_softmax_on_moderate_kernels():
@@ -123,7 +139,7 @@ def test_performer_converges_to_softmax_on_moderate_kernels():
     for M in (64, 256, 1024, 4096):
         runs = []
         for seed in range(3):
-            layer = LinearAttention(performer_config(M=M, seed=seed, D=D), 0).double()
+            layer = performer_layer(performer_config(M=M, seed=seed, D=D)).double()
             with torch.no_grad():
                 out = layer._attend(None, q, k, v, q, k, None, None)
             runs.append(((out - exact).norm() / exact.norm()).item())
@@ -183,19 +199,18 @@ def performer_table(embedded_teacher):
             errors = []
             for seed in SEEDS:
                 layer_types = ["full_attention"] * n
-                layer_types[LAYER] = HYB if window else LIN
+                layer_types[LAYER] = LIN
                 settings = {"kind": "performer", "feature_map": "performer", "feature_dim": M}
                 settings.update(window=window, sink=sink, seed=seed)
-                layer = LinearAttention(student_config(teacher.config, layer_types, settings), LAYER).eval()
-                missing, unexpected = layer.load_state_dict(attn.state_dict(), strict=False)
-                assert not unexpected and missing == ["performer_projection"], (missing, unexpected)
+                config = student_config(teacher.config, layer_types, settings)
+                layer = performer_layer(config, LAYER, attn).eval()
                 with torch.no_grad():
-                    errors.append(relative_error(layer(hidden, position_embeddings), reference))
+                    errors.append(relative_error(layer(hidden, position_embeddings)[0], reference))
             table[window, sink, M] = sum(errors) / len(errors)
 
     # context: what trivial replacements of the same layer score
     with torch.no_grad():
-        q, k, v = layer.project(hidden, position_embeddings)
+        q, k, v = project(layer, hidden, position_embeddings)
         T = q.shape[2]
         groups = layer.num_key_value_groups
 
