@@ -26,20 +26,27 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging.version import Version
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
-from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
-from transformers.utils.deprecation import deprecate_kwarg
-from transformers.utils.versions import require_version
 
-from ..kernels.feature_maps import elu_plus_one, hedgehog, orthogonal_random_features, performer, performer_logits
-from ..kernels.gla_torch import MIN_LOG_DECAY
-from ..kernels.ops import gated_linear_attention
-from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class
-from .families import Family, family_of
+MIN_TRANSFORMERS = "5.24"  # the first release we tested with LinearAttentionLayer and the `cache=` keyword
+if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):  # before the imports that would fail unclearly
+    raise ImportError(
+        f"this model needs transformers >= {MIN_TRANSFORMERS} (found {transformers.__version__}) for its "
+        f"linear-attention cache: pip install -U 'transformers>={MIN_TRANSFORMERS}'"
+    )
 
-require_version("transformers>=5.24", "linearize models use transformers' LinearAttentionLayer cache: pip install -U transformers")
+from transformers import GenerationMixin, PreTrainedModel  # noqa: E402
+from transformers import initialization as init  # noqa: E402
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin  # noqa: E402
+from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
+
+from ..kernels.feature_maps import elu_plus_one, hedgehog, orthogonal_random_features, performer, performer_logits  # noqa: E402
+from ..kernels.gla_torch import MIN_LOG_DECAY  # noqa: E402
+from ..kernels.ops import gated_linear_attention  # noqa: E402
+from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
+from .families import Family, family_of  # noqa: E402
 
 RECURRENT_MAX_TOKENS = 16  # at most this many new tokens with a state: step the recurrence instead of chunking
 # The window/linear mix starts at sigmoid(2) = 0.88 on the softmax side: a converted layer begins close
