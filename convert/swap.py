@@ -9,7 +9,6 @@ teacher (Gemma 3) gives its text decoder.
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any
 
 import torch
@@ -18,8 +17,6 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..modeling.configuration_linearize import LINEAR, LinearizeConfig
 from ..modeling.families import family_of, text_config
 from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
-
-logger = logging.getLogger(__name__)
 
 # Teacher weights that belong to a multimodal wrapper, not to its text decoder: prefix -> the decoder's.
 TEXT_PREFIXES = {"gemma3": ("model.language_model.", "model.")}
