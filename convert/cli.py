@@ -59,10 +59,13 @@ def convert_parser() -> argparse.ArgumentParser:
     plan.add_argument("--placement", choices=["spread", "top", "measured"], help="where the softmax layers go")
     plan.add_argument("--keep-softmax", help="comma-separated layers that always keep softmax, e.g. 0,1 ('' for none)")
     att = p.add_argument_group("linear attention")
-    att.add_argument("--attention", choices=["gla", "performer"], help="kind of linear attention")
-    att.add_argument("--feature-map", choices=["hedgehog", "elu", "identity", "performer"])
+    att.add_argument("--attention", choices=["gla", "performer", "deltanet"], help="kind of linear attention")
+    att.add_argument("--feature-map", choices=["hedgehog", "elu", "identity", "taylor", "performer"])
     att.add_argument("--feature-dim", type=int, help="hedgehog width per half, or Performer random features")
-    att.add_argument("--gate", choices=["lowrank", "key", "none"], help="GLA decay gate")
+    att.add_argument(
+        "--gate", choices=["lowrank", "key", "retnet", "none"], help="decay gate (retnet: fixed multi-scale, no weights)"
+    )
+    att.add_argument("--conv-size", type=int, help="deltanet: short causal convolution over q/k/v (0 = none)")
     att.add_argument("--window", type=int, help="softmax window (tokens) mixed into each linear layer; 0 disables")
     att.add_argument(
         "--rope-features",
@@ -136,6 +139,7 @@ def recipe_from_args(args: argparse.Namespace):
         "attention.feature_map": args.feature_map,
         "attention.feature_dim": args.feature_dim,
         "attention.gate": args.gate,
+        "attention.conv_size": args.conv_size,
         "attention.window": args.window,
         "attention.sink": args.sink,
         "attention.rope_features": None if args.rope_features is None else args.rope_features == "on",
@@ -149,12 +153,13 @@ def recipe_from_args(args: argparse.Namespace):
         "finetune.lora_layers": args.lora_layers,
         "eval.heldout_tokens": args.heldout_tokens,
     }
-    if args.attention == "performer" and recipe.attention.kind != "performer":
-        overrides["attention.feature_map"] = args.feature_map or "performer"
-        overrides["attention.gate"] = args.gate or "none"
-    if args.attention == "gla" and recipe.attention.kind != "gla":
-        overrides["attention.feature_map"] = args.feature_map or "hedgehog"
-        overrides["attention.gate"] = args.gate or "lowrank"
+    # Switching kind away from the recipe's: the new kind's own defaults, unless given.
+    defaults = {"performer": ("performer", "none", True), "gla": ("hedgehog", "lowrank", True), "deltanet": ("identity", "lowrank", False)}
+    if args.attention and recipe.attention.kind != args.attention:
+        feature_map, gate, normalize = defaults[args.attention]
+        overrides["attention.feature_map"] = args.feature_map or feature_map
+        overrides["attention.gate"] = args.gate or gate
+        overrides["attention.normalize"] = normalize
     for stage in ("transfer", "finetune"):
         for flag, key in (
             ("seq_len", "seq_len"),

@@ -29,6 +29,7 @@ REMOTE_CODE = [
     ("modeling", "modeling_linearize.py"),
     ("kernels", "ops.py"),
     ("kernels", "gla_torch.py"),
+    ("kernels", "delta_torch.py"),
     ("kernels", "feature_maps.py"),
     ("kernels", "gla_triton.py"),
     ("kernels", "feature_maps_triton.py"),

@@ -43,6 +43,7 @@ class Attention:
     window: int = 0
     sink: int = 0
     chunk_size: int = 64
+    conv_size: int = 0
     rope_features: bool = True
     seed: int = 0
 

@@ -41,6 +41,18 @@ def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.elu(x) + 1.0
 
 
+def taylor(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Second-order Taylor map of exp (Based) on a low-dimensional projection x' = xW.
+
+    x [B, H, T, D], weight [H, D, d] -> [B, H, T, 1 + d + d^2] with phi(q).phi(k) =
+    1 + q'.k'/sqrt(d) + (q'.k')^2 / (2d): exp(q'.k'/sqrt(d)) to second order, and always positive.
+    """
+    x = torch.einsum("bhtd,hdf->bhtf", x, weight)
+    d = x.shape[-1]
+    square = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / (math.sqrt(2.0) * math.sqrt(d))
+    return torch.cat([torch.ones_like(x[..., :1]), x / d**0.25, square], dim=-1)
+
+
 def performer_logits(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """FAVOR+ exponent w.x' - |x'|^2 / 2 with x' = x D^(-1/4), so exp(.)s estimate exp(q.k / sqrt(D)).
 

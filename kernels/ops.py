@@ -1,6 +1,6 @@
 """The one dispatch point between the model and the kernels.
 
-`gated_linear_attention` picks Triton on CUDA tensors and PyTorch everywhere else;
+`gated_linear_attention` (GLA) and `gated_delta_rule` (Gated DeltaNet) run here. GLA picks Triton on CUDA tensors and PyTorch everywhere else;
 `LINEARIZE_KERNELS=triton|torch` forces either. The normalizer is the same kernel run on `v`
 with a column of ones appended: that column of the state is `z`, so the output and its
 normalizer come from one pass.
@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from .delta_torch import delta_chunked, delta_recurrent
 from .gla_torch import gla_chunked, gla_parallel, gla_recurrent
 
 try:
@@ -73,3 +74,27 @@ def gated_linear_attention(
     if normalize:
         o = o[..., :-1] / (o[..., -1:] + eps)
     return o, state
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    *,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the gated delta rule; returns (output [B, HQ, T, V], final state [B, H, K, V]).
+
+    "parallel" and "recurrent" both run the step-by-step reference (the delta rule has no masked
+    quadratic form); "chunk" the UT-transform form. PyTorch only, on every device, for now.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not one of {MODES}")
+    if mode == "chunk":
+        return delta_chunked(q, k, v, beta, g, scale, initial_state, chunk_size)
+    return delta_recurrent(q, k, v, beta, g, scale, initial_state)

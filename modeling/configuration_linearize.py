@@ -20,23 +20,38 @@ from transformers import PretrainedConfig
 
 LINEAR = "linear_attention"
 LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
-    "kind": "gla",  # "gla" (gated, decaying state) or "performer" (FAVOR+ random features, no decay)
-    "feature_map": "hedgehog",  # "hedgehog" | "elu" | "identity" | "performer"
-    "feature_dim": None,  # hedgehog: per-half width (default head_dim); performer: random features (default 4*head_dim)
-    "gate": "lowrank",  # gla: "lowrank" (learned, per key channel) | "key" (no weights) | "none"
+    # "gla" (gated, decaying state), "performer" (FAVOR+ random features, no decay) or "deltanet" (gated delta rule)
+    "kind": "gla",
+    "feature_map": "hedgehog",  # "hedgehog" | "elu" | "identity" | "taylor" | "performer"
+    # hedgehog: per-half width (default head_dim); taylor: projection size d (default 16, 1 + d + d^2
+    # features); performer: random features (default 4*head_dim)
+    "feature_dim": None,
+    # "lowrank" (learned; per key channel for gla, per head for deltanet) | "key" (no weights) |
+    # "retnet" (fixed multi-scale per-head decay, no weights) | "none"
+    "gate": "lowrank",
     "gate_rank": 16,
     "decay_init": [0.995, 0.9998],  # lowrank gate: initial decays, spread over the key channels
     "normalize": True,  # divide by phi(q).z
     "window": 0,  # >0: softmax over the last `window` tokens mixed into every linear layer
     "sink": 0,  # with a window: the first `sink` tokens also stay in the softmax part (attention sinks)
     "chunk_size": 64,
+    "conv_size": 0,  # deltanet: >1 adds a short causal convolution over q/k/v features (identity at start)
     # True: feature maps see RoPE'd q/k, as the teacher's softmax does. False: q/k before RoPE, so the
     # linear state is position-free (recency comes from the decay) and holds up past the training length.
     "rope_features": True,
     "seed": 0,  # performer random features are drawn from this seed and saved as a buffer
 }
 # What a linear layer keeps in its `LinearAttentionLayer` cache, by state index.
-STATES = {"memory": 0, "stabilizer": 1, "sink_kv": 2, "sink_positions": 3, "window_kv": 4, "window_valid": 5, "seen": 6}
+STATES = {
+    "memory": 0,
+    "stabilizer": 1,
+    "sink_kv": 2,
+    "sink_positions": 3,
+    "window_kv": 4,
+    "window_valid": 5,
+    "seen": 6,
+    "conv": 7,
+}
 OWN_FIELDS = ("base_model_type", "layer_types", "base_layer_types", "linear_attention", "linearize_teacher")
 # Fields of a saved config that describe the file, not the base model.
 NOT_BASE_FIELDS = ("model_type", "transformers_version", "architectures", "auto_map", "number_of_conv_states")
@@ -119,16 +134,23 @@ class LinearizeConfig(PretrainedConfig):
         window = settings["window"]
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"linear_attention.window={window!r}: use a non-negative integer (0 = no window)")
-        if settings["kind"] not in ("gla", "performer"):
-            raise ValueError(f"linear_attention.kind={settings['kind']!r}: use 'gla' or 'performer'")
-        if settings["feature_map"] not in ("hedgehog", "elu", "identity", "performer"):
+        if settings["kind"] not in ("gla", "performer", "deltanet"):
+            raise ValueError(f"linear_attention.kind={settings['kind']!r}: use 'gla', 'performer' or 'deltanet'")
+        if settings["feature_map"] not in ("hedgehog", "elu", "identity", "taylor", "performer"):
             raise ValueError(
-                f"linear_attention.feature_map={settings['feature_map']!r}: use hedgehog, elu, identity or performer"
+                f"linear_attention.feature_map={settings['feature_map']!r}: use hedgehog, elu, identity, taylor or performer"
             )
+        if settings["kind"] == "deltanet" and (settings["normalize"] or settings["feature_map"] == "performer"):
+            raise ValueError("deltanet attention L2-normalizes its own q/k: set normalize=false and a non-performer feature_map")
+        conv = settings["conv_size"]
+        if isinstance(conv, bool) or not isinstance(conv, int) or conv < 0 or conv == 1:
+            raise ValueError(f"linear_attention.conv_size={conv!r}: use 0 (no convolution) or a kernel size of at least 2")
+        if conv and settings["kind"] != "deltanet":
+            raise ValueError("linear_attention.conv_size is a deltanet setting: set kind='deltanet' or conv_size=0")
         if settings["kind"] == "performer" and (settings["feature_map"] != "performer" or not settings["normalize"]):
             raise ValueError("performer attention needs feature_map='performer' and normalize=true")
-        if settings["gate"] not in ("lowrank", "key", "none"):
-            raise ValueError(f"linear_attention.gate={settings['gate']!r}: use lowrank, key or none")
+        if settings["gate"] not in ("lowrank", "key", "retnet", "none"):
+            raise ValueError(f"linear_attention.gate={settings['gate']!r}: use lowrank, key, retnet or none")
         if settings["kind"] == "gla" and settings["feature_map"] == "performer" and settings["gate"] != "none":
             raise ValueError("performer features carry their own stabilizer decay: use gate='none' with them")
         decay = settings["decay_init"]
@@ -139,5 +161,5 @@ class LinearizeConfig(PretrainedConfig):
             raise ValueError(f"linear_attention.sink={sink!r}: use a non-negative integer (0 = no sinks)")
         if sink and not window:
             raise ValueError("attention sinks live in the softmax window: set linear_attention.window > 0 too")
-        if settings["window"] and not settings["normalize"]:
+        if settings["window"] and not settings["normalize"] and settings["kind"] != "deltanet":
             raise ValueError("a softmax window needs normalize=true: the window and the linear part share one normalizer")

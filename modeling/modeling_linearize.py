@@ -42,9 +42,16 @@ from transformers import initialization as init  # noqa: E402
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin  # noqa: E402
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
 
-from ..kernels.feature_maps import elu_plus_one, hedgehog, orthogonal_random_features, performer, performer_logits  # noqa: E402
+from ..kernels.feature_maps import (  # noqa: E402
+    elu_plus_one,
+    hedgehog,
+    orthogonal_random_features,
+    performer,
+    performer_logits,
+    taylor,
+)
 from ..kernels.gla_torch import MIN_LOG_DECAY  # noqa: E402
-from ..kernels.ops import gated_linear_attention  # noqa: E402
+from ..kernels.ops import gated_delta_rule, gated_linear_attention  # noqa: E402
 from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
 from .families import Family, family_of  # noqa: E402
 
@@ -108,6 +115,73 @@ class LowRankGate(nn.Module):
         g = F.logsigmoid(logits.float()) / self.normalizer
         g = g.clamp_min(MIN_LOG_DECAY).view(*hidden_states.shape[:2], self.heads, self.channels)
         return g.transpose(1, 2)
+
+
+class TaylorFeatureMap(nn.Module):
+    """Based's second-order Taylor map on a learned d-dimensional projection of each head's q or k.
+
+    The projection starts at the first d coordinates scaled by (D/d)^(1/4), so q'.k'/sqrt(d) starts
+    near q.k/sqrt(D) (for roughly isotropic q and k): the untrained map approximates the teacher's exp.
+    """
+
+    def __init__(self, heads: int, head_dim: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads, head_dim, dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        D, d = self.weight.shape[1:]
+        init.copy_(self.weight, (torch.eye(D, d) * (D / d) ** 0.25).expand_as(self.weight))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return taylor(x, self.weight)
+
+
+class WriteStrength(nn.Module):
+    """The delta rule's b_t = sigmoid(x w + c) per KV head; starts at 0.5 everywhere (w = 0)."""
+
+    def __init__(self, hidden_size: int, heads: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, heads)
+        self.proj.gate_owned = True  # see LowRankGate: the base init must not reset it
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init.zeros_(self.proj.weight)
+        init.zeros_(self.proj.bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """-> [B, Hkv, T, 1]."""
+        return torch.sigmoid(self.proj(hidden_states).float()).transpose(1, 2).unsqueeze(-1)
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal convolution over time (DeltaNet's short conv on q/k/v); identity at init."""
+
+    def __init__(self, channels: int, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, size))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init.copy_(self.weight, F.one_hot(torch.tensor(self.weight.shape[1] - 1), self.weight.shape[1]).float().expand_as(self.weight))
+
+    def forward(self, x: torch.Tensor, history: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, C] after `history` [B, size - 1, C] (zeros at the start) -> (y [B, T, C], the new history)."""
+        size = self.weight.shape[1]
+        if history is None:
+            history = x.new_zeros(x.shape[0], size - 1, x.shape[2])
+        full = torch.cat([history.to(x.dtype), x], dim=1)
+        y = F.conv1d(full.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), groups=x.shape[2])
+        return y.transpose(1, 2), full[:, full.shape[1] - (size - 1) :]
+
+
+def retnet_decay(heads: int, device: torch.device) -> torch.Tensor:
+    """RetNet's fixed multi-scale log-decays, log(1 - 2^(-5 - h)) for head h: memory spans of 32 to 2^(4+H) tokens."""
+    return torch.log1p(-torch.pow(2.0, -5.0 - torch.arange(heads, dtype=torch.float32, device=device)))
 
 
 def key_gate(k: torch.Tensor) -> torch.Tensor:
@@ -289,6 +363,11 @@ class LinearAttention(nn.Module):
             self.feature_map_q = HedgehogFeatureMap(self.n_heads, D, width)
             self.feature_map_k = HedgehogFeatureMap(self.n_kv_heads, D, width)
             channels = 2 * width
+        elif self.map_name == "taylor":
+            width = settings["feature_dim"] or 16
+            self.feature_map_q = TaylorFeatureMap(self.n_heads, D, width)
+            self.feature_map_k = TaylorFeatureMap(self.n_kv_heads, D, width)
+            channels = 1 + width + width * width
         elif self.map_name == "performer":
             channels = settings["feature_dim"] or 4 * D
             generator = torch.Generator().manual_seed(settings["seed"] * 1000 + layer_idx)
@@ -297,10 +376,20 @@ class LinearAttention(nn.Module):
         else:
             channels = D
         self.gate = None
-        if self.kind == "gla" and settings["gate"] == "lowrank":
+        if self.kind != "performer" and settings["gate"] == "lowrank":
+            # GLA decays per key channel; the delta rule's decay is one scalar per head.
             self.gate = LowRankGate(
-                config.hidden_size, self.n_kv_heads, channels, settings["gate_rank"], settings["decay_init"]
+                config.hidden_size,
+                self.n_kv_heads,
+                channels if self.kind == "gla" else 1,
+                settings["gate_rank"],
+                settings["decay_init"],
             )
+        self.conv_size = settings["conv_size"]
+        if self.kind == "deltanet":
+            self.write_strength = WriteStrength(config.hidden_size, self.n_kv_heads)
+        if self.conv_size:
+            self.conv = ShortConv((self.n_heads + 2 * self.n_kv_heads) * D, self.conv_size)
         if self.window and self.map_name != "performer":
             self.window_factor = nn.Parameter(torch.full((self.n_heads,), WINDOW_FACTOR_INIT))
 
@@ -323,7 +412,7 @@ class LinearAttention(nn.Module):
 
     def _query_features(self, q: torch.Tensor) -> torch.Tensor:
         """phi(q) [B, H, T, F]; Performer returns its logits (the stabilizer is applied later)."""
-        if self.map_name == "hedgehog":
+        if self.map_name in ("hedgehog", "taylor"):
             return self.feature_map_q(q)
         if self.map_name == "elu":
             return elu_plus_one(q)
@@ -334,7 +423,7 @@ class LinearAttention(nn.Module):
 
     def _key_features(self, k: torch.Tensor) -> torch.Tensor:
         """phi(k) [B, Hkv, T, F]; Performer returns its logits."""
-        if self.map_name == "hedgehog":
+        if self.map_name in ("hedgehog", "taylor"):
             return self.feature_map_k(k)
         if self.map_name == "elu":
             return elu_plus_one(k)
@@ -343,9 +432,13 @@ class LinearAttention(nn.Module):
         return k
 
     def _decay(self, hidden_states: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-        """Log-decay per step: [B, Hkv, T, F] from the low-rank gate, [B, Hkv, T, 1] from the keys, or None."""
-        if self.kind != "gla" or self.settings["gate"] == "none":
+        """Log-decay per step: [B, Hkv, T, F or 1] from the low-rank gate, [B, Hkv, T, 1] from the keys or RetNet, or None."""
+        gate = self.settings["gate"]
+        if self.kind == "performer" or gate == "none":
             return None
+        if gate == "retnet":
+            B, T = hidden_states.shape[:2]
+            return retnet_decay(self.n_kv_heads, k.device)[None, :, None, None].expand(B, -1, T, 1)
         return self.gate(hidden_states) if self.gate is not None else key_gate(k)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache: Cache | None = None, **kwargs):
@@ -383,10 +476,15 @@ class LinearAttention(nn.Module):
         g = self._decay(hidden_states, k)
         valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding is None else padding[:, -T:].bool()
         seen = self._seen(cache)
+        v_feat = v
+        if self.conv_size:
+            q_feat, k_feat, v_feat = self._convolve(q_feat, k_feat, v, valid, cache)
+        # What a token writes into the state: key features, values (convolved), the delta rule's write strength.
+        payload = [k_feat, v_feat] + ([self.write_strength(hidden_states)] if self.kind == "deltanet" else [])
         if self.window:
             positions = torch.arange(seen, seen + T, device=q.device)
-            parts = [k, v] if self.rope_features else [k, v, k_feat]
-            window_kv, key_valid = torch.cat(parts, dim=-1), valid
+            extras = [x for x in payload if x is not k and x is not v]  # kept beside k and v until they enter
+            window_kv, key_valid = torch.cat([k, v, *extras], dim=-1), valid
             n_past = 0
             if cache is not None:  # the window's last W tokens (zeros, marked invalid, before any)
                 past_kv = self._state(cache, "window_kv")
@@ -401,19 +499,21 @@ class LinearAttention(nn.Module):
                 self._store(cache, "window_kv", window_kv[:, :, -self.window :])
                 self._store(cache, "window_valid", key_valid[:, -self.window :])
             k_all, v_all = window_kv[..., :D], window_kv[..., D : 2 * D]
-            k_feat = k_all if self.rope_features else window_kv[..., 2 * D :]
+            extras_all = iter(window_kv[..., 2 * D :].split([x.shape[-1] for x in extras], dim=-1))
+            payload = [k_all if x is k else v_all if x is v else next(extras_all) for x in payload]
             window_terms = window_softmax_terms(q, k_all, v_all, key_valid, self.window, self.scaling)
             if self.sink:
                 sinks = update_sinks(self._load_sinks(cache), k, v, positions, valid, self.sink)
                 window_terms = add_sink_terms(window_terms, q, sinks, positions, self.window, self.scaling)
                 self._save_sinks(cache, sinks)
-            k_feat, v = (shift_into_state(x[:, :, n_past:], x[:, :, :n_past], self.window) for x in (k_feat, v_all))
+            payload = [shift_into_state(x[:, :, n_past:], x[:, :, :n_past], self.window) for x in payload]
             key_valid = key_valid[:, None, :, None]
             valid = shift_into_state(key_valid[:, :, n_past:], key_valid[:, :, :n_past], self.window)[:, 0, :, 0]
             if self.sink:
                 # Sinks stay in the softmax part for good: they never enter the linear state.
                 entering = (positions - self.window).to(sinks[2].dtype)
                 valid = valid & ~(entering[None, :, None] == sinks[2][:, None, :]).any(-1)
+        k_feat, v = payload[:2]
         if cache is not None:
             self._store(cache, "seen", torch.full((B,), seen + T, dtype=torch.long, device=q.device))
         keep = valid[:, None, :, None]
@@ -421,6 +521,9 @@ class LinearAttention(nn.Module):
         if g is not None:
             g = g * keep
         fq, fk = self._query_features(q_feat), self._key_features(k_feat)
+        mode = self.form or ("recurrent" if self._state(cache, "memory") is not None and T <= RECURRENT_MAX_TOKENS else "chunk")
+        if self.kind == "deltanet":
+            return self._delta(fq, fk, v, payload[2] * keep, g, keep, cache, mode, window_terms if self.window else None)
         state, stabilizer = self._state(cache, "memory"), self._state(cache, "stabilizer")
         q_stab = key_stab = None
         if self.map_name == "performer":
@@ -430,7 +533,6 @@ class LinearAttention(nn.Module):
         else:
             fk = fk * keep
 
-        mode = self.form or ("recurrent" if state is not None and T <= RECURRENT_MAX_TOKENS else "chunk")
         scale = self.scaling if self.map_name == "identity" else 1.0
         if self.normalize:
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
@@ -455,6 +557,29 @@ class LinearAttention(nn.Module):
                 win_num, win_den, num, den = w * win_num, w * win_den, (1 - w) * num, (1 - w) * den
             num, den = num + win_num, den + win_den
         return num / den.clamp_min(1e-6)
+
+    def _delta(self, fq, fk, v, beta, g, keep, cache, mode, window_terms):
+        """The gated delta rule on L2-normalized features, mixed with the window's softmax by the window factor."""
+        fq, fk = F.normalize(fq, dim=-1), F.normalize(fk, dim=-1) * keep
+        o, state = gated_delta_rule(
+            fq, fk, v, beta[..., 0], None if g is None else g[..., 0],
+            initial_state=self._state(cache, "memory"), mode=mode, chunk_size=self.chunk_size,
+        )  # fmt: skip
+        self._store(cache, "memory", state)
+        if window_terms is None:
+            return o
+        win_num, win_den, _ = window_terms
+        w = torch.sigmoid(self.window_factor)[None, :, None, None]
+        return w * win_num / win_den.clamp_min(1e-6) + (1 - w) * o
+
+    def _convolve(self, q_feat, k_feat, v, valid, cache):
+        """The short causal convolution over q/k/v features (padding zeroed first, the last steps cached)."""
+        B, T, D = v.shape[0], v.shape[2], self.head_dim
+        flat = [x.transpose(1, 2).reshape(B, T, -1) for x in (q_feat, k_feat, v)]
+        x = torch.cat(flat, dim=-1) * valid[..., None]
+        y, history = self.conv(x, self._state(cache, "conv"))
+        self._store(cache, "conv", history)
+        return (part.view(B, T, -1, D).transpose(1, 2) for part in y.split([f.shape[-1] for f in flat], dim=-1))
 
     def _performer_keys(self, key_logits: torch.Tensor, stabilizer: torch.Tensor | None, valid: torch.Tensor):
         """Key features with a running-max stabilizer, expressed as a scalar decay of the state.
@@ -578,7 +703,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         """The family's init for its modules; the linear layers' own init for the new parameters."""
         if not getattr(module, "gate_owned", False):
             super()._init_weights(module)
-        if isinstance(module, (HedgehogFeatureMap, LowRankGate)):
+        if isinstance(module, (HedgehogFeatureMap, TaylorFeatureMap, LowRankGate, WriteStrength, ShortConv)):
             module.reset_parameters()
         elif isinstance(module, LinearAttention) and hasattr(module, "window_factor"):
             init.constant_(module.window_factor, WINDOW_FACTOR_INIT)

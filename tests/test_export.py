@@ -27,7 +27,10 @@ from linearize.convert.swap import linearize_model
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LIN, FULL = "linear_attention", "full_attention"
-REMOTE_FILES = ["modeling_linearize.py", "configuration_linearize.py", "ops.py", "gla_torch.py", "feature_maps.py"]
+REMOTE_FILES = [
+    "modeling_linearize.py", "configuration_linearize.py", "families.py", "ops.py", "gla_torch.py", "delta_torch.py",
+    "feature_maps.py",
+]  # fmt: skip
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 PROMPT = (
     "Linear attention keeps a fixed-size state, so the memory of the cache does not grow with the "

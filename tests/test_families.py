@@ -113,7 +113,10 @@ def randomize(student: LinearizeForCausalLM) -> LinearizeForCausalLM:
     for module in student.modules():
         if isinstance(module, LinearAttention):
             module.window_factor.copy_(torch.randn(module.window_factor.shape, generator=gen))
-            module.gate.up.weight.copy_(torch.randn(module.gate.up.weight.shape, generator=gen))
+            if module.gate is not None:
+                module.gate.up.weight.copy_(torch.randn(module.gate.up.weight.shape, generator=gen))
+            if hasattr(module, "write_strength"):
+                module.write_strength.proj.weight.copy_(torch.randn(module.write_strength.proj.weight.shape, generator=gen))
     return student
 
 
@@ -233,6 +236,34 @@ LOADER = textwrap.dedent(
     }))
     """
 )
+
+
+KINDS = {
+    "deltanet": {"kind": "deltanet", "feature_map": "identity", "normalize": False, "conv_size": 4, **SETTINGS},
+    "gla-taylor-retnet": {"feature_map": "taylor", "feature_dim": 4, "gate": "retnet", **SETTINGS},
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_other_kinds_export_and_generate_alike(kind, tmp_path):
+    """The delta rule and the Taylor map / RetNet gate: cached = uncached greedy, and the export reproduces it."""
+    student = randomize(linearize_model(make_teacher("llama"), [LIN, FULL, LIN, FULL], KINDS[kind])).eval()
+    ids = ids_of(1, PROMPT, seed=11)
+    with torch.no_grad():
+        expected = student.generate(ids, max_new_tokens=6, do_sample=False)[0, PROMPT:].tolist()
+    assert expected == recomputed(student, ids, 6)
+    folder = export(student, None, tmp_path / kind)
+    script = tmp_path / "load.py"
+    script.write_text(LOADER)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
+           "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-I", str(script), str(folder), json.dumps(ids[0].tolist())],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"tokens": expected, "missing": [], "unexpected": [], "linearize_loaded": False}
 
 
 def test_gemma3_multimodal_teacher_gives_its_text_decoder():

@@ -64,7 +64,13 @@ def randomize_new_parameters(model: LinearizeForCausalLM, seed: int = 0) -> None
             fmap = getattr(module, name, None)
             if fmap is not None:
                 fmap.weight.add_(rand(fmap.weight) * 0.3)
-                fmap.bias.copy_(rand(fmap.bias) * 0.3)
+                if hasattr(fmap, "bias"):
+                    fmap.bias.copy_(rand(fmap.bias) * 0.3)
+        if hasattr(module, "write_strength"):  # delta rule write strengths from ~0 to ~1
+            module.write_strength.proj.weight.copy_(rand(module.write_strength.proj.weight) * 2.0)
+            module.write_strength.proj.bias.copy_(rand(module.write_strength.proj.bias))
+        if hasattr(module, "conv"):
+            module.conv.weight.add_(rand(module.conv.weight) * 0.3)
         if hasattr(module, "window_factor"):
             module.window_factor.copy_(rand(module.window_factor))
 
@@ -130,6 +136,7 @@ def random_ids(*shape: int, seed: int = 0) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # 1. the three forms compute the same thing, forward and backward
 
+DELTA = {"kind": "deltanet", "feature_map": "identity", "normalize": False, "gate": "lowrank"}
 FORM_CASES = {
     "gla-hedgehog-lowrank": ([LIN, FULL, LIN], {"gate": "lowrank", "chunk_size": 16}),
     "gla-hedgehog-lowrank-window4": ([LIN, FULL, LIN], {"gate": "lowrank", "window": 4, "chunk_size": 16}),
@@ -145,6 +152,18 @@ FORM_CASES = {
         [LIN, LIN],
         {"feature_map": "identity", "normalize": False, "gate": "none", "chunk_size": 32},
     ),
+    "gla-taylor-retnet": ([LIN, FULL], {"feature_map": "taylor", "feature_dim": 4, "gate": "retnet", "chunk_size": 16}),
+    "gla-taylor-lowrank-window4": (
+        [LIN, LIN],
+        {"feature_map": "taylor", "feature_dim": 4, "gate": "lowrank", "window": 4, "chunk_size": 16},
+    ),
+    "deltanet-identity-lowrank": ([LIN, FULL], {**DELTA, "chunk_size": 16}),
+    "deltanet-identity-retnet-conv3": ([LIN, LIN], {**DELTA, "gate": "retnet", "conv_size": 3, "chunk_size": 16}),
+    "deltanet-hedgehog-key-window4-sink2-conv4": (
+        [LIN, FULL],
+        {**DELTA, "feature_map": "hedgehog", "gate": "key", "window": 4, "sink": 2, "conv_size": 4, "chunk_size": 16},
+    ),
+    "deltanet-window4-unrotated": ([LIN, LIN], {**DELTA, "window": 4, "rope_features": False, "chunk_size": 32}),
     "performer": ([LIN, FULL], {"kind": "performer", "feature_map": "performer", "chunk_size": 16}),
     "performer-window4": (
         [LIN, LIN],
@@ -290,6 +309,8 @@ PLANS = {
     "window_sinks_unrotated": ([LIN, FULL, LIN], {"window": 4, "sink": 3, "chunk_size": 16, "rope_features": False}),
     "linear_unrotated": ([LIN, FULL, LIN], {"chunk_size": 16, "rope_features": False}),
     "all_linear": ([LIN, LIN, LIN], {"chunk_size": 16}),
+    "deltanet_window_sinks_conv": ([LIN, FULL, LIN], {**DELTA, "window": 4, "sink": 2, "conv_size": 4, "chunk_size": 16}),
+    "gla_taylor_retnet": ([LIN, FULL, LIN], {"feature_map": "taylor", "feature_dim": 4, "gate": "retnet", "chunk_size": 16}),
     "all_hybrid_performer": ([LIN, LIN, LIN], {"kind": "performer", "feature_map": "performer", "window": 4}),
 }
 PROMPT = 21  # > RECURRENT_MAX_TOKENS (prefill takes the chunked path), > window, not a multiple of the chunk
@@ -405,7 +426,7 @@ def kv_bytes(layer) -> int:
     return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
 
-@pytest.mark.parametrize("kind", ["gla", "performer", "gla-sinks"])
+@pytest.mark.parametrize("kind", ["gla", "performer", "gla-sinks", "deltanet"])
 @torch.no_grad()
 def test_cache_does_not_grow(kind):
     window = 4
@@ -414,6 +435,8 @@ def test_cache_does_not_grow(kind):
         settings.update(kind="performer", feature_map="performer")
     if kind == "gla-sinks":
         settings.update(sink=2)
+    if kind == "deltanet":
+        settings.update(DELTA, sink=2, conv_size=4)
     model = make_model([LIN, LIN, FULL], settings, seed=5)
     prompt = random_ids(1, 9, seed=41)
     caches = {}
@@ -433,7 +456,7 @@ def test_cache_does_not_grow(kind):
     assert recurrent_bytes(short[1]) == recurrent_bytes(long[1])
     window_kv = long[1].recurrent_states[STATES["window_kv"]]
     assert window_kv.shape[2] == window
-    if kind == "gla-sinks":  # the two sink tokens' keys/values and positions, a fixed size too
+    if kind in ("gla-sinks", "deltanet"):  # the two sink tokens' keys/values and positions, a fixed size too
         assert long[1].recurrent_states[STATES["sink_kv"]].shape[2] == 2
         assert long[1].recurrent_states[STATES["sink_positions"]].shape[1] == 2
     # layer 2: softmax -> an ordinary KV cache that grows with every token
@@ -596,9 +619,12 @@ def test_bad_layer_plan_through_swap():
 @pytest.mark.parametrize(
     "layer_types, settings, pattern",
     [
-        ([LIN, LIN], {"kind": "mamba"}, r"kind='mamba'.*gla.*performer"),
-        ([LIN, LIN], {"feature_map": "rbf"}, r"feature_map='rbf'.*hedgehog, elu, identity or performer"),
-        ([LIN, LIN], {"gate": "sigmoid"}, r"gate='sigmoid'.*lowrank, key or none"),
+        ([LIN, LIN], {"kind": "mamba"}, r"kind='mamba'.*gla.*performer.*deltanet"),
+        ([LIN, LIN], {"feature_map": "rbf"}, r"feature_map='rbf'.*hedgehog, elu, identity, taylor or performer"),
+        ([LIN, LIN], {"gate": "sigmoid"}, r"gate='sigmoid'.*lowrank, key, retnet or none"),
+        ([LIN, LIN], {"kind": "deltanet"}, r"deltanet attention L2-normalizes its own q/k: set normalize=false"),
+        ([LIN, LIN], {"conv_size": 4}, r"conv_size is a deltanet setting"),
+        ([LIN, LIN], {**DELTA, "conv_size": 1}, r"conv_size=1: use 0 \(no convolution\) or a kernel size of at least 2"),
         ([LIN, LIN], {"kind": "performer", "feature_map": "elu"}, r"feature_map='performer'"),
         ([LIN, LIN], {"kind": "performer", "feature_map": "performer", "normalize": False}, r"normalize=true"),
         ([LIN, LIN], {"window": 4, "normalize": False}, r"window needs normalize=true"),
