@@ -32,6 +32,7 @@ REMOTE_CODE = [
     ("kernels", "delta_torch.py"),
     ("kernels", "feature_maps.py"),
     ("kernels", "gla_triton.py"),
+    ("kernels", "delta_triton.py"),
     ("kernels", "feature_maps_triton.py"),
 ]
 AUTO_MAP = {

@@ -16,6 +16,7 @@ from .delta_torch import delta_chunked, delta_recurrent
 from .gla_torch import gla_chunked, gla_parallel, gla_recurrent
 
 try:
+    from .delta_triton import fused_recurrent_delta_triton
     from .gla_triton import chunk_gla_triton, fused_recurrent_gla_triton
 
     HAS_TRITON = True
@@ -91,10 +92,15 @@ def gated_delta_rule(
     """Run the gated delta rule; returns (output [B, HQ, T, V], final state [B, H, K, V]).
 
     "parallel" and "recurrent" both run the step-by-step reference (the delta rule has no masked
-    quadratic form); "chunk" the UT-transform form. PyTorch only, on every device, for now.
+    quadratic form); "chunk" the UT-transform form, in PyTorch on every device for now. Decoding
+    steps without autograd run the fused Triton step where the backend is triton.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
     if mode == "chunk":
         return delta_chunked(q, k, v, beta, g, scale, initial_state, chunk_size)
+    tracked = (q, k, v, beta, g, initial_state)
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tracked)
+    if mode == "recurrent" and not needs_grad and kernel_backend(q.device) == "triton":
+        return fused_recurrent_delta_triton(q, k, v, beta, g, scale, initial_state)
     return delta_recurrent(q, k, v, beta, g, scale, initial_state)

@@ -106,7 +106,10 @@ class LowRankGate(nn.Module):
     def reset_parameters(self) -> None:
         init.normal_(self.down.weight, std=self.down.in_features**-0.5)
         init.zeros_(self.up.weight)
-        decay = torch.linspace(*self.decay_init, self.channels, dtype=torch.float64).repeat(self.heads)
+        if self.channels > 1:  # per key channel (GLA): every head spans the range
+            decay = torch.linspace(*self.decay_init, self.channels, dtype=torch.float64).repeat(self.heads)
+        else:  # one decay per head (the delta rule): the heads span it
+            decay = torch.linspace(*self.decay_init, self.heads, dtype=torch.float64)
         # logsigmoid(b) / 16 = log(decay)  =>  b = logit(decay ** 16)
         init.copy_(self.up.bias, torch.logit(decay.pow(self.normalizer)).to(self.up.bias.dtype))
 
