@@ -110,6 +110,33 @@ def test_export_loads_with_remote_code(converted, tiny_llama_dir):
     assert logits.shape == (1, 4, model.config.vocab_size) and torch.isfinite(logits).all()
 
 
+def test_deltanet_conversion_end_to_end(tiny_llama_dir, cli_env, tmp_path):
+    """`--attention deltanet` switches the recipe's GLA defaults to the delta rule's, trains and exports."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    args = [
+        "--model", str(tiny_llama_dir), "--ratio", "3:1", "--attention", "deltanet", "--conv-size", "4",
+        "--output", "out", "--transfer-tokens", "128", "--finetune-tokens", "128", "--quiet", *TINY_ARGS,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "linearize", *args], cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    settings = json.loads((tmp_path / "out" / "config.json").read_text())["linear_attention"]
+    assert (settings["kind"], settings["feature_map"], settings["normalize"], settings["conv_size"]) == (
+        "deltanet", "identity", False, 4,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
+    ids = torch.tensor([[1, 5, 9, 12, 40, 41, 42]])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=6, do_sample=False)
+        seq = ids
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    assert out.tolist() == seq.tolist()
+
+
 # ---- --help ---------------------------------------------------------------------------------------
 
 
