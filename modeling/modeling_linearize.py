@@ -393,7 +393,7 @@ class LinearAttention(nn.Module):
             self.write_strength = WriteStrength(config.hidden_size, self.n_kv_heads)
         if self.conv_size:
             self.conv = ShortConv((self.n_heads + 2 * self.n_kv_heads) * D, self.conv_size)
-        if self.window and self.map_name not in ("performer", "taylor"):  # those two estimate exp: no mix to learn
+        if self.window and self.map_name != "performer":
             self.window_factor = nn.Parameter(torch.full((self.n_heads,), WINDOW_FACTOR_INIT))
 
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -554,10 +554,6 @@ class LinearAttention(nn.Module):
                 # Put the FAVOR+ estimate on the window's scale: both parts then estimate exp(q.k/sqrt(D) - c).
                 key_stab = key_stab.repeat_interleave(self.kv_groups, dim=1)
                 rescale = (q_stab + key_stab - win_max).clamp(max=60.0).exp()
-                num, den = num * rescale, den * rescale
-            elif self.map_name == "taylor":
-                # The Taylor kernel estimates exp(q.k/sqrt(D)) itself: put it on the window's exp(s - c) scale.
-                rescale = (-win_max).clamp(max=60.0).exp()
                 num, den = num * rescale, den * rescale
             else:
                 w = torch.sigmoid(self.window_factor)[None, :, None, None]
