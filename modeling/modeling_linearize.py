@@ -123,8 +123,10 @@ class LowRankGate(nn.Module):
 class TaylorFeatureMap(nn.Module):
     """Based's second-order Taylor map on a learned d-dimensional projection of each head's q or k.
 
-    The projection starts at the first d coordinates scaled by (D/d)^(1/4), so q'.k'/sqrt(d) starts
-    near q.k/sqrt(D) (for roughly isotropic q and k): the untrained map approximates the teacher's exp.
+    The projection is L2-normalized and scaled to sqrt(2) d^(1/4), so the kernel's argument
+    q'.k'/sqrt(d) stays in [-2, 2], where 1 + u + u^2/2 is a fair, positive stand-in for exp(u).
+    Unbounded, SmolLM2's large q/k norms put it far out of that range: the measured zero-shot
+    held-out perplexity was 98x the teacher's. The projection starts at the first d coordinates.
     """
 
     def __init__(self, heads: int, head_dim: int, dim: int):
@@ -135,10 +137,11 @@ class TaylorFeatureMap(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         D, d = self.weight.shape[1:]
-        init.copy_(self.weight, (torch.eye(D, d) * (D / d) ** 0.25).expand_as(self.weight))
+        init.copy_(self.weight, torch.eye(D, d).expand_as(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return taylor(x, self.weight)
+        d = self.weight.shape[-1]
+        return taylor(x, self.weight, radius=math.sqrt(2.0) * d**0.25)
 
 
 class WriteStrength(nn.Module):
