@@ -383,11 +383,14 @@ class LinearAttention(nn.Module):
             channels = D
         self.gate = None
         if self.kind != "performer" and settings["gate"] == "lowrank":
-            # GLA decays per key channel; the delta rule's decay is one scalar per head.
+            # GLA decays per key channel, which needs positive features (Hedgehog, elu): a per-channel
+            # decay of Taylor features, some of them negative, can drive the normalizer to zero. The
+            # delta rule and the Taylor map take one decay per head.
+            per_channel = self.kind == "gla" and self.map_name != "taylor"
             self.gate = LowRankGate(
                 config.hidden_size,
                 self.n_kv_heads,
-                channels if self.kind == "gla" else 1,
+                channels if per_channel else 1,
                 settings["gate_rank"],
                 settings["decay_init"],
             )
