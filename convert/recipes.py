@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ..modeling.configuration_linearize import LINEAR_ATTENTION_DEFAULTS
+from ..modeling.configuration_linearize import LINEAR_ATTENTION_DEFAULTS, validate_linear_attention
 
 
 @dataclass
@@ -183,6 +183,7 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
             raise ValueError(f"recipe key '{name}.seq_len' must be a length >= 2 or a list of them, got {lengths!r}")
     if recipe.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"recipe key 'dtype' must be auto, float32, bfloat16 or float16, got {recipe.dtype!r}")
+    validate_linear_attention(recipe.linear_attention())
     return recipe
 
 

@@ -125,41 +125,45 @@ class LinearizeConfig(PretrainedConfig):
                 raise ValueError(
                     f"layer {i} is {self.softmax_type(i)!r} in the base model: keep that type or make it {LINEAR!r}"
                 )
-        settings = self.linear_attention
-        unknown = sorted(set(settings) - set(LINEAR_ATTENTION_DEFAULTS))
-        if unknown:
-            raise ValueError(
-                f"unknown linear_attention settings {unknown}: valid keys are {sorted(LINEAR_ATTENTION_DEFAULTS)}"
-            )
-        window = settings["window"]
-        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-            raise ValueError(f"linear_attention.window={window!r}: use a non-negative integer (0 = no window)")
-        if settings["kind"] not in ("gla", "performer", "deltanet"):
-            raise ValueError(f"linear_attention.kind={settings['kind']!r}: use 'gla', 'performer' or 'deltanet'")
-        if settings["feature_map"] not in ("hedgehog", "elu", "identity", "taylor", "performer"):
-            raise ValueError(
-                f"linear_attention.feature_map={settings['feature_map']!r}: use hedgehog, elu, identity, taylor or performer"
-            )
-        if settings["kind"] == "deltanet" and (settings["normalize"] or settings["feature_map"] == "performer"):
-            raise ValueError("deltanet attention L2-normalizes its own q/k: set normalize=false and a non-performer feature_map")
-        conv = settings["conv_size"]
-        if isinstance(conv, bool) or not isinstance(conv, int) or conv < 0 or conv == 1:
-            raise ValueError(f"linear_attention.conv_size={conv!r}: use 0 (no convolution) or a kernel size of at least 2")
-        if conv and settings["kind"] != "deltanet":
-            raise ValueError("linear_attention.conv_size is a deltanet setting: set kind='deltanet' or conv_size=0")
-        if settings["kind"] == "performer" and (settings["feature_map"] != "performer" or not settings["normalize"]):
-            raise ValueError("performer attention needs feature_map='performer' and normalize=true")
-        if settings["gate"] not in ("lowrank", "key", "retnet", "none"):
-            raise ValueError(f"linear_attention.gate={settings['gate']!r}: use lowrank, key, retnet or none")
-        if settings["kind"] == "gla" and settings["feature_map"] == "performer" and settings["gate"] != "none":
-            raise ValueError("performer features carry their own stabilizer decay: use gate='none' with them")
-        decay = settings["decay_init"]
-        if not (isinstance(decay, (list, tuple)) and len(decay) == 2 and all(0 < float(d) < 1 for d in decay)):
-            raise ValueError(f"linear_attention.decay_init={decay!r}: use two decays in (0, 1), e.g. [0.995, 0.9998]")
-        sink = settings["sink"]
-        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
-            raise ValueError(f"linear_attention.sink={sink!r}: use a non-negative integer (0 = no sinks)")
-        if sink and not window:
-            raise ValueError("attention sinks live in the softmax window: set linear_attention.window > 0 too")
-        if settings["window"] and not settings["normalize"] and settings["kind"] != "deltanet":
-            raise ValueError("a softmax window needs normalize=true: the window and the linear part share one normalizer")
+        validate_linear_attention(self.linear_attention)
+
+
+def validate_linear_attention(settings: dict[str, Any]) -> None:
+    """Refuse, naming the fix, linear-attention settings no layer can be built with (recipes check them before any model loads)."""
+    unknown = sorted(set(settings) - set(LINEAR_ATTENTION_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"unknown linear_attention settings {unknown}: valid keys are {sorted(LINEAR_ATTENTION_DEFAULTS)}"
+        )
+    window = settings["window"]
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"linear_attention.window={window!r}: use a non-negative integer (0 = no window)")
+    if settings["kind"] not in ("gla", "performer", "deltanet"):
+        raise ValueError(f"linear_attention.kind={settings['kind']!r}: use 'gla', 'performer' or 'deltanet'")
+    if settings["feature_map"] not in ("hedgehog", "elu", "identity", "taylor", "performer"):
+        raise ValueError(
+            f"linear_attention.feature_map={settings['feature_map']!r}: use hedgehog, elu, identity, taylor or performer"
+        )
+    if settings["kind"] == "deltanet" and (settings["normalize"] or settings["feature_map"] == "performer"):
+        raise ValueError("deltanet attention L2-normalizes its own q/k: set normalize=false and a non-performer feature_map")
+    conv = settings["conv_size"]
+    if isinstance(conv, bool) or not isinstance(conv, int) or conv < 0 or conv == 1:
+        raise ValueError(f"linear_attention.conv_size={conv!r}: use 0 (no convolution) or a kernel size of at least 2")
+    if conv and settings["kind"] != "deltanet":
+        raise ValueError("linear_attention.conv_size is a deltanet setting: set kind='deltanet' or conv_size=0")
+    if settings["kind"] == "performer" and (settings["feature_map"] != "performer" or not settings["normalize"]):
+        raise ValueError("performer attention needs feature_map='performer' and normalize=true")
+    if settings["gate"] not in ("lowrank", "key", "retnet", "none"):
+        raise ValueError(f"linear_attention.gate={settings['gate']!r}: use lowrank, key, retnet or none")
+    if settings["kind"] == "gla" and settings["feature_map"] == "performer" and settings["gate"] != "none":
+        raise ValueError("performer features carry their own stabilizer decay: use gate='none' with them")
+    decay = settings["decay_init"]
+    if not (isinstance(decay, (list, tuple)) and len(decay) == 2 and all(0 < float(d) < 1 for d in decay)):
+        raise ValueError(f"linear_attention.decay_init={decay!r}: use two decays in (0, 1), e.g. [0.995, 0.9998]")
+    sink = settings["sink"]
+    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
+        raise ValueError(f"linear_attention.sink={sink!r}: use a non-negative integer (0 = no sinks)")
+    if sink and not window:
+        raise ValueError("attention sinks live in the softmax window: set linear_attention.window > 0 too")
+    if settings["window"] and not settings["normalize"] and settings["kind"] != "deltanet":
+        raise ValueError("a softmax window needs normalize=true: the window and the linear part share one normalizer")

@@ -165,7 +165,7 @@ def test_flags_override_the_default_recipe_of_a_short_name():
     recipe = args(
         "--model", "llama", "--ratio", "1:1", "--placement", "top", "--keep-softmax", "",
         "--transfer-tokens", "1000", "--finetune-tokens", "0", "--seq-len", "64", "--batch-size", "2",
-        "--transfer-lr", "0.002", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj", "--window", "0",
+        "--transfer-lr", "0.002", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj", "--window", "0", "--sink", "0",
         "--checkpoint-every", "3", "--heldout-tokens", "256", "--seed", "7", "--dtype", "float32",
     )  # fmt: skip
     assert recipe.name == "smollm2-gla"
@@ -230,3 +230,19 @@ def test_measured_plan_follows_its_ratio_and_placement():
     assert plan("--placement", "spread")[2] == []
     assert plan("--linear-layers", "0,1")[3] == [0, 1]
     assert plan("--recipe", "smollm2-gla", "--model", "./another-model")[2] == []  # the plan was measured on SmolLM2, not on this model
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"attention.conv_size": 4}, "conv_size is a deltanet setting"),
+        ({"attention.kind": "deltanet"}, "deltanet attention L2-normalizes its own q/k: set normalize=false"),
+        ({"attention.gate": "sigmoid"}, "lowrank, key, retnet or none"),
+    ],
+)
+def test_bad_attention_settings_are_refused_with_the_recipe(overrides, message):
+    """Before any model loads: the recipe itself carries the linear layers' settings check."""
+    from linearize.convert.pipeline import apply_overrides
+
+    with pytest.raises(ValueError, match=message):
+        apply_overrides(load_recipe("smollm2-gla"), overrides)
