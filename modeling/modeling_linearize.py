@@ -484,14 +484,16 @@ class LinearAttention(nn.Module):
         B, T, D = q.shape[0], q.shape[2], self.head_dim
         g = self._decay(hidden_states, k)
         valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding is None else padding[:, -T:].bool()
-        seen = self._seen(cache)
+        # Tokens (padding included) this layer took in before: kept as a tensor, so decoding never syncs on it.
+        seen = self._state(cache, "seen")
+        start = 0 if seen is None else seen[:1]
         v_feat = v
         if self.conv_size:
             q_feat, k_feat, v_feat = self._convolve(q_feat, k_feat, v, valid, cache)
         # What a token writes into the state: key features, values (convolved), the delta rule's write strength.
         payload = [k_feat, v_feat] + ([self.write_strength(hidden_states)] if self.kind == "deltanet" else [])
         if self.window:
-            positions = torch.arange(seen, seen + T, device=q.device)
+            positions = torch.arange(T, device=q.device) + start
             extras = [x for x in payload if x is not k and x is not v]  # kept beside k and v until they enter
             window_kv, key_valid = torch.cat([k, v, *extras], dim=-1), valid
             n_past = 0
@@ -524,7 +526,8 @@ class LinearAttention(nn.Module):
                 valid = valid & ~(entering[None, :, None] == sinks[2][:, None, :]).any(-1)
         k_feat, v = payload[:2]
         if cache is not None:
-            self._store(cache, "seen", torch.full((B,), seen + T, dtype=torch.long, device=q.device))
+            count = torch.full((B,), T, dtype=torch.long, device=q.device)
+            self._store(cache, "seen", count if seen is None else seen + T)
         keep = valid[:, None, :, None]
         v = v * keep
         if g is not None:
@@ -617,11 +620,6 @@ class LinearAttention(nn.Module):
     def _store(self, cache: Cache | None, name: str, value: torch.Tensor) -> None:
         if cache is not None:
             cache.update_recurrent_state(value, self.layer_idx, state_idx=STATES[name])
-
-    def _seen(self, cache: Cache | None) -> int:
-        """How many tokens (padding included) this layer has taken in from `cache`: the new ones' first index."""
-        seen = self._state(cache, "seen")
-        return 0 if seen is None else int(seen[0])
 
     def _load_sinks(self, cache: Cache | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         kv, positions = self._state(cache, "sink_kv"), self._state(cache, "sink_positions")
