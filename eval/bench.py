@@ -377,19 +377,23 @@ def run_bench(
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     decode_tokens: int = 32,
-    device: str = "cpu",
+    device: str = "auto",
     skip_teacher: bool = False,
     progress: bool = True,
+    dtype: str | torch.dtype = "auto",
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Bench the student folder (and its teacher) and write `bench.json` + `bench.png` into the folder.
 
-    The teacher defaults to the one the student's config records. Returns the JSON report with
-    `rows` (see `ratio_rows`) and the written `paths`.
+    The teacher defaults to the one the student's config records. `device` / `dtype` take "auto"
+    (`models.resolve_device_dtype`); a teacher that is not a linearize export runs no remote code
+    unless `trust_remote_code`. Returns the JSON report with `rows` (see `ratio_rows`) and the
+    written `paths`.
     """
-    from .models import check_device, load, student_config, teacher_spec
+    from .models import dtype_name, load, resolve_device_dtype, student_config, teacher_spec
 
     student_config(student_dir)
-    check_device(device)
+    device, torch_dtype = resolve_device_dtype(device, dtype)
     if decode_tokens < 0:
         raise ValueError(f"bad --decode-tokens {decode_tokens}: give 0 or more")
     tspec = None if skip_teacher else teacher_spec(student_dir, teacher)
@@ -397,7 +401,9 @@ def run_bench(
     models = {"student": str(student_dir)} | ({"teacher": tspec} if tspec else {})
     points: dict[str, list[dict[str, Any]]] = {}
     for role, spec in models.items():
-        model, _, _ = load(spec, device=device, with_tokenizer=False)
+        model, _, _ = load(
+            spec, device=device, dtype=torch_dtype, with_tokenizer=False, trust_remote_code=trust_remote_code
+        )
         points[role] = bench_model(model, contexts, batch_sizes, decode_tokens, name=role, progress=progress)
         del model
         gc.collect()
@@ -409,6 +415,7 @@ def run_bench(
         "student": str(student_dir),
         "teacher": tspec,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "dtype": dtype_name(torch_dtype),
         "torch": torch.__version__,
         "contexts": list(contexts),
         "batch_sizes": list(batch_sizes),

@@ -16,9 +16,18 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .models import check_device, is_model_dir, load, student_config, teacher_spec
+from .models import (
+    dtype_name,
+    is_model_dir,
+    load,
+    remote_code_ok,
+    resolve_device_dtype,
+    student_config,
+    teacher_spec,
+)
 from .perplexity import context_markdown_report, context_report, plot_contexts
 from .tasks import SUFFIX, build_tasks, default_dest, resolve_task_names
 
@@ -45,15 +54,17 @@ def run_lm_eval(
     limit: int | float | None = None,
     batch_size: int = 8,
     device: str = "cpu",
-    trust_remote_code: bool = True,
+    trust_remote_code: bool = False,
     tokenizer: PreTrainedTokenizerBase | None = None,
     include_path: str | Path | None = None,
-    dtype: str = "float32",
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Run lm-eval's `hf` model on the local tasks; returns lm-eval's output (results, n-samples, ...).
 
     `pretrained` is a model folder (passed as `model_args` exactly as on the lm_eval command line)
-    or a loaded model (then `tokenizer` is needed). `tasks` takes stock or `_local` names.
+    or a loaded model (then `tokenizer` is needed; `device` and `dtype` are then the model's own).
+    `tasks` takes stock or `_local` names. A folder's remote code runs only for a linearize export or
+    with `trust_remote_code` (`models.remote_code_ok`).
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -65,8 +76,9 @@ def run_lm_eval(
             raise ValueError(
                 f"model path {str(pretrained)!r} has ',' or '=', which lm-eval's model_args cannot carry: rename it"
             )
+        trust = remote_code_ok(pretrained, trust_remote_code)
         model_args: str | dict[str, Any] = (
-            f"pretrained={pretrained},trust_remote_code={trust_remote_code},dtype={dtype}"
+            f"pretrained={pretrained},trust_remote_code={trust},dtype={dtype_name(dtype)}"
         )
     else:
         if tokenizer is None:
@@ -206,7 +218,12 @@ def _eval_teacher(spec: str, **kwargs: Any) -> tuple[dict[str, Any], str]:
     """
     if is_model_dir(spec):
         return run_lm_eval(spec, **kwargs), spec
-    model, tokenizer, location = load(spec, device=kwargs.get("device", "cpu"))
+    model, tokenizer, location = load(
+        spec,
+        device=kwargs.get("device", "cpu"),
+        dtype=kwargs.get("dtype", torch.float32),
+        trust_remote_code=kwargs.get("trust_remote_code", False),
+    )
     if is_model_dir(location):
         del model
         return run_lm_eval(location, **kwargs), location
@@ -219,13 +236,18 @@ def evaluate(
     tasks: list[str] | None = None,
     limit: int | float | None = None,
     batch_size: int = 8,
-    device: str = "cpu",
+    device: str = "auto",
     skip_teacher: bool = False,
     contexts: list[int] | None = None,
     texts: dict[str, str] | None = None,
     context_tokens: int | None = 16384,
+    dtype: str | torch.dtype = "auto",
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a converted folder and its teacher; write eval.json, eval.md and the README.md tables.
+
+    `device` / `dtype` take "auto" (see `models.resolve_device_dtype`); a teacher that is not a
+    linearize export runs no remote code unless `trust_remote_code`.
 
     With `contexts` (and held-out `texts`), perplexity against context length is measured too and
     plotted to context.png: short benchmarks alone say nothing about a linear layer's long-range part.
@@ -235,13 +257,20 @@ def evaluate(
     student_config(student_dir)
     names = resolve_task_names(tasks)
     tspec = None if skip_teacher else teacher_spec(student_dir, teacher)
-    check_device(device)
-    kwargs: dict[str, Any] = {"tasks": names, "limit": limit, "batch_size": batch_size, "device": device}
+    device, torch_dtype = resolve_device_dtype(device, dtype)
+    kwargs: dict[str, Any] = {
+        "tasks": names,
+        "limit": limit,
+        "batch_size": batch_size,
+        "device": device,
+        "dtype": torch_dtype,
+        "trust_remote_code": trust_remote_code,
+    }
     student_res = run_lm_eval(str(student_dir), **kwargs)
     teacher_res, teacher_location = _eval_teacher(tspec, **kwargs) if tspec else (None, None)
     rows, summary = compare(student_res, teacher_res)
     note = (
-        f"lm-eval {student_res.get('lm_eval_version', '?')}, zero-shot, "
+        f"lm-eval {student_res.get('lm_eval_version', '?')}, zero-shot, {dtype_name(torch_dtype)} on {device}, "
         f"{'all' if limit is None else f'first {limit}'} examples per task, on the stock tasks' prompts and "
         f"metrics over the offline copies in `linearize.eval.tasks` (validation splits; ARC: test). "
         f"Teacher: `{tspec or 'not evaluated'}`. Scores ± standard error; "
@@ -256,7 +285,16 @@ def evaluate(
     context = None
     if contexts:
         teacher_dir = teacher_location if teacher_location and is_model_dir(teacher_location) else tspec
-        context = context_report(str(student_dir), teacher_dir, texts or {}, contexts, context_tokens, device)
+        context = context_report(
+            str(student_dir),
+            teacher_dir,
+            texts or {},
+            contexts,
+            context_tokens,
+            device,
+            dtype=torch_dtype,
+            trust_remote_code=trust_remote_code,
+        )
         paths["png"] = str(plot_contexts(context["contexts"], student_dir / "context.png"))
         md += "\n" + context_markdown_report(context)
     report = {
@@ -265,6 +303,8 @@ def evaluate(
         "teacher_location": teacher_location,
         "tasks": names,
         "limit": limit,
+        "device": device,
+        "dtype": dtype_name(torch_dtype),
         "rows": rows,
         "summary": summary,
         "lm_eval": {"student": student_res, "teacher": teacher_res},

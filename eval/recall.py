@@ -50,8 +50,10 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import yaml
 
+from .models import dtype_name, remote_code_ok
 from .quality import update_model_card
 from .tasks import default_dest as _tasks_dest
 
@@ -454,8 +456,14 @@ def evaluate_tasks(
     device: str = "cpu",
     batch_size: int = 1,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """lm-eval output (with logged samples) of recall tasks for a model folder, a loaded model, or an lm-eval LM."""
+    """lm-eval output (with logged samples) of recall tasks for a model folder, a loaded model, or an lm-eval LM.
+
+    A folder loads in `dtype` and runs its remote code only for a linearize export or with
+    `trust_remote_code` (`models.remote_code_ok`); a loaded model keeps its own device and dtype.
+    """
     import lm_eval
     from lm_eval.api.model import LM
     from lm_eval.tasks import TaskManager
@@ -466,12 +474,13 @@ def evaluate_tasks(
             raise ValueError(
                 f"model path {str(model)!r} has ',' or '=', which lm-eval's model_args cannot carry: rename it"
             )
-        model_args = f"pretrained={model},trust_remote_code=True,dtype=float32"
+        trust = remote_code_ok(model, trust_remote_code)
+        model_args = f"pretrained={model},trust_remote_code={trust},dtype={dtype_name(dtype)}"
         model = "hf"
     elif not isinstance(model, LM):
         if tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: pass tokenizer=")
-        model_args = {"pretrained": model, "tokenizer": tokenizer, "trust_remote_code": True}
+        model_args = {"pretrained": model, "tokenizer": tokenizer, "trust_remote_code": trust_remote_code}
         model = "hf"
     return lm_eval.simple_evaluate(
         model=model,
@@ -519,14 +528,14 @@ def _context_limit(config: dict[str, Any]) -> int | None:
 
 
 def _resolve_teacher(
-    spec: str, device: str
+    spec: str, device: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
 ) -> tuple[str | PreTrainedModel, PreTrainedTokenizerBase | None, str, dict[str, Any]]:
     """(what to give lm-eval, its tokenizer if loaded, location, config), as `quality._eval_teacher` resolves."""
     from .models import is_model_dir, load, student_config
 
     if is_model_dir(spec):
         return spec, None, spec, student_config(spec)
-    model, tokenizer, location = load(spec, device=device)
+    model, tokenizer, location = load(spec, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     if is_model_dir(location):
         del model
         return location, None, location, student_config(location)
@@ -541,18 +550,24 @@ def teacher_outputs(
     device: str,
     batch_size: int,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """The teacher's logged samples on these task files, computed once and kept beside them.
 
     The teacher and the documents do not change between conversions, and at 8K tokens it is the
-    slow half of a run on CPU; a cached result is reused when the same teacher meets the same files.
+    slow half of a run on CPU; a cached result is reused when the same teacher meets the same files
+    in the same dtype (bf16 and fp32 can generate differently).
     """
-    key = hashlib.sha256(json.dumps([str(location), sorted(task_names)]).encode()).hexdigest()[:12]
+    settings = [str(location), sorted(task_names), dtype_name(dtype)]
+    key = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]
     cached = Path(include) / f"teacher-{key}.json"
     if cached.is_file():
         log.info("reusing the teacher's recall samples from %s", cached)
         return json.loads(cached.read_text())
-    out = evaluate_tasks(teacher_model, include, task_names, device, batch_size, tokenizer)
+    out = evaluate_tasks(
+        teacher_model, include, task_names, device, batch_size, tokenizer, dtype, trust_remote_code
+    )
     kept = {"samples": out["samples"], "lm_eval_version": out.get("lm_eval_version")}
     tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
     tmp.write_text(json.dumps(kept, default=str))
@@ -686,34 +701,42 @@ def run_recall(
     depths: Iterable[float] = DEFAULT_DEPTHS,
     samples: int = 1,
     tasks: Iterable[str] | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     batch_size: int = 1,
     skip_teacher: bool = False,
     seed: int = 0,
     dest: Path | None = None,
+    dtype: str | torch.dtype = "auto",
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Recall grid of a converted folder and its teacher; writes recall.json, recall.md, recall.png and the card table.
 
     Both models see the same documents, measured with the student's tokenizer (a conversion keeps
     the teacher's). Lengths beyond either model's context (max_position_embeddings) are dropped.
+    `device` / `dtype` take "auto" (`models.resolve_device_dtype`); a model that is not a linearize
+    export runs no remote code unless `trust_remote_code`.
     Returns the report written to recall.json (settings, grid, summary, each generation, paths).
     """
     from transformers import AutoTokenizer
 
-    from .models import check_device, student_config, teacher_spec
+    from .models import resolve_device_dtype, student_config, teacher_spec
 
     student_dir = Path(student_dir)
     config = student_config(student_dir)
     names = resolve_recall_tasks(tasks)
     lengths, depths = _check_settings(lengths, depths, samples)
-    check_device(device)
+    device, torch_dtype = resolve_device_dtype(device, dtype)
     tspec = None if skip_teacher else teacher_spec(student_dir, teacher)
-    tokenizer = AutoTokenizer.from_pretrained(student_dir, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        student_dir, trust_remote_code=remote_code_ok(student_dir, trust_remote_code)
+    )
     limits = {"student": _context_limit(config)}
     teacher_model: str | PreTrainedModel | None = None
     teacher_tokenizer, teacher_location = None, None
     if tspec:
-        teacher_model, teacher_tokenizer, teacher_location, tconfig = _resolve_teacher(tspec, device)
+        teacher_model, teacher_tokenizer, teacher_location, tconfig = _resolve_teacher(
+            tspec, device, torch_dtype, trust_remote_code
+        )
         limits["teacher"] = _context_limit(tconfig)
     kept = list(lengths)
     for role, limit in limits.items():
@@ -728,10 +751,20 @@ def run_recall(
     outputs: dict[str, dict[str, Any]] = {}
     if teacher_model is not None:
         outputs["teacher"] = teacher_outputs(
-            teacher_model, teacher_location, include, task_names, device, batch_size, teacher_tokenizer
+            teacher_model,
+            teacher_location,
+            include,
+            task_names,
+            device,
+            batch_size,
+            teacher_tokenizer,
+            torch_dtype,
+            trust_remote_code,
         )
         del teacher_model
-    outputs["student"] = evaluate_tasks(str(student_dir), include, task_names, device, batch_size)
+    outputs["student"] = evaluate_tasks(
+        str(student_dir), include, task_names, device, batch_size, None, torch_dtype, trust_remote_code
+    )
     grid = {role: recall_grid(out["samples"]) for role, out in outputs.items()}
     generations = {role: responses(out["samples"]) for role, out in outputs.items()}
     report: dict[str, Any] = {
@@ -745,6 +778,8 @@ def run_recall(
             "depths": depths,
             "samples": samples,
             "seed": seed,
+            "device": device,
+            "dtype": dtype_name(torch_dtype),
             "max_gen_toks": MAX_GEN_TOKS,
             "include_path": str(include),
             "lm_eval": outputs["student"].get("lm_eval_version"),
@@ -805,11 +840,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"from {', '.join(TASKS)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dest", type=Path, default=None, help=f"cache root (default {default_dest()})")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="run the tokenizer's own code (linearize exports need none)"
+    )
     args = parser.parse_args(argv)
     try:
         lengths = parse_int_list(args.lengths, "lengths")
         depths, tasks = parse_depths(args.depths), parse_tasks(args.tasks)
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            args.tokenizer, trust_remote_code=remote_code_ok(args.tokenizer, args.trust_remote_code)
+        )
         path = build_recall_tasks(tokenizer, args.dest, lengths, depths, args.samples, tasks, args.seed)
     except (ValueError, OSError) as err:
         parser.exit(2, f"error: {' '.join(str(err).split())}\n")

@@ -153,11 +153,18 @@ def available_tasks() -> list[str]:
 
 
 def resolve_task_names(tasks: Iterable[str] | None) -> list[str]:
-    """Map user task names (`hellaswag` or `hellaswag_local`) to stock names; fail naming the valid ones."""
+    """Map user task names (`hellaswag` or `hellaswag_local`) to stock names; fail naming the valid ones.
+
+    Each item may hold several names separated by commas, so lm-eval's `--tasks a,b` works as well
+    as `--tasks a b`, and mixtures of both.
+    """
     if tasks is None:
         return list(DEFAULT_TASKS)
+    given = [name.strip() for item in tasks for name in item.split(",") if name.strip()]
+    if not given:
+        raise ValueError(f"no task named: choose from {', '.join(TASKS)}, e.g. --tasks arc_easy,piqa")
     out = []
-    for name in tasks:
+    for name in given:
         stock = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
         if stock not in TASKS:
             raise ValueError(
