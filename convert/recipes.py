@@ -8,6 +8,7 @@ are the CLI's short model names.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -15,9 +16,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from ..modeling.configuration_linearize import LINEAR_ATTENTION_DEFAULTS, validate_linear_attention
+from .data import is_offline
+from .plan import parse_ratio
 
 
 @dataclass
@@ -68,6 +72,8 @@ class Stage:
     lora_targets: list[str] = field(default_factory=list)  # empty: the attention's own projections, per family
     lora_layers: str = "linear"  # linear: the swapped layers only; all: every attention layer
     checkpoint_every: int = 25  # optimizer steps
+    # Recompute activations in backward (finetune): None decides by size, on when they would outweigh the weights.
+    gradient_checkpointing: bool | None = None
 
     @property
     def seq_lens(self) -> list[int]:
@@ -95,6 +101,12 @@ class Recipe:
     transfer: Stage = field(default_factory=lambda: Stage(tokens=0, lr=1e-2, loss="mse"))
     finetune: Stage = field(default_factory=lambda: Stage(tokens=0, lr=1e-4, loss="kl"))
     eval: Evaluation = field(default_factory=Evaluation)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the teacher loads in: the recipe's, or for `auto` fp32 on a CPU and bf16 on a GPU."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
 
     def linear_attention(self) -> dict[str, Any]:
         return {k: getattr(self.attention, k) for k in LINEAR_ATTENTION_DEFAULTS}
@@ -181,10 +193,58 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
         lengths = getattr(recipe, name).seq_lens
         if not lengths or any(n < 2 for n in lengths):
             raise ValueError(f"recipe key '{name}.seq_len' must be a length >= 2 or a list of them, got {lengths!r}")
+    _check_numbers(recipe)
     if recipe.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"recipe key 'dtype' must be auto, float32, bfloat16 or float16, got {recipe.dtype!r}")
     validate_linear_attention(recipe.linear_attention())
     return recipe
+
+
+# Numeric recipe keys, their smallest valid value, and the flag that sets them (named in the error).
+LIMITS = {
+    "transfer.tokens": (0, "--transfer-tokens"),
+    "finetune.tokens": (0, "--finetune-tokens"),
+    "transfer.batch_size": (1, "--batch-size"),
+    "finetune.batch_size": (1, "--batch-size"),
+    "transfer.checkpoint_every": (1, "--checkpoint-every"),
+    "finetune.checkpoint_every": (1, "--checkpoint-every"),
+    "transfer.warmup_steps": (0, None),
+    "finetune.warmup_steps": (0, None),
+    "transfer.weight_decay": (0, None),
+    "finetune.weight_decay": (0, None),
+    "finetune.lora_rank": (1, "--lora-rank"),
+    "finetune.lora_alpha": (1, None),
+    "eval.heldout_tokens": (1, "--heldout-tokens"),
+    "eval.heldout_seq_len": (2, None),
+    "eval.limit": (1, None),
+}
+
+
+def _check_numbers(recipe: Recipe) -> None:
+    """Refuse out-of-range budgets, sizes and plans before any model loads, naming the key and its flag."""
+    for key, (low, flag) in LIMITS.items():
+        section, leaf = key.split(".")
+        value = getattr(getattr(recipe, section), leaf)
+        if value is not None and value < low:
+            where = f"{flag} (recipe key {key!r})" if flag else f"recipe key {key!r}"
+            raise ValueError(f"{where} must be at least {low}, got {value!r}")
+    for name, flag in (("transfer", "--transfer-lr"), ("finetune", "--finetune-lr")):
+        lr = getattr(recipe, name).lr
+        if not lr > 0:
+            raise ValueError(f"{flag} (recipe key '{name}.lr') must be positive, got {lr!r}")
+    if recipe.layers.ratio is not None:
+        parse_ratio(recipe.layers.ratio)
+    for key, flag in (("linear_layers", "--linear-layers"), ("keep_softmax", "--keep-softmax")):
+        negative = [i for i in getattr(recipe.layers, key) or [] if i < 0]
+        if negative:
+            raise ValueError(f"{flag} (recipe key 'layers.{key}') has negative index {negative[0]}: layers count from 0")
+    for name in ("transfer", "finetune"):
+        stage = getattr(recipe, name)
+        if stage.tokens and stage.split != "train" and is_offline(stage.dataset):
+            raise ValueError(
+                f"--split {stage.split!r} (recipe key '{name}.split') applies to hub datasets only: {stage.dataset!r} "
+                "is read whole as training text (the embedded corpus keeps its held-out slice for perplexity); drop --split"
+            )
 
 
 def shipped_recipes() -> dict[str, Recipe]:
@@ -214,9 +274,52 @@ def load_recipe(name_or_path: str) -> Recipe:
     return shipped[name_or_path]
 
 
-def default_recipe_for(model: str) -> Recipe:
-    """The shipped recipe whose alias or model matches `model`, else the generic defaults for it."""
+# Every model without a shipped recipe gets the method the embedded default proved (window + sinks,
+# measured placement, attention transfer then LoRA-KL), with token budgets scaled to its size.
+GENERIC_BASE = "smollm2-gla"
+BASE_PARAMS = 135e6  # the size the base recipe's (CPU) budgets were measured on
+GPU_TOKENS = 20_000_000  # LoLCATs' per-stage budget for an 8B model on a GPU
+GPU_PARAMS = 8e9
+
+
+def generic_budget(n_params: int, accelerated: bool) -> int:
+    """Stage-1 tokens for a model of `n_params`: on a GPU LoLCATs' 20M at 8B, scaled by sqrt(size) (at least
+    2M); on a CPU the base recipe's budget at its size and the same compute for larger models (at least 8K)."""
+    base = shipped_recipes()[GENERIC_BASE].transfer.tokens
+    if accelerated:
+        tokens = min(GPU_TOKENS, max(2_000_000, GPU_TOKENS * math.sqrt(n_params / GPU_PARAMS)))
+    else:
+        tokens = min(base, max(8192, base * BASE_PARAMS / n_params))
+    return int(tokens) // 1024 * 1024
+
+
+def generic_recipe(model: str, n_params: int, accelerated: bool) -> Recipe:
+    """The proven method for any model: the base recipe's plan rule, attention and stages, budgets scaled."""
+    base = shipped_recipes()[GENERIC_BASE]
+    transfer = generic_budget(n_params, accelerated)
+    finetune = transfer * base.finetune.tokens // base.transfer.tokens // 1024 * 1024
+    where = "GPU" if accelerated else "CPU"
+    return dataclasses.replace(
+        base,
+        name="generic",
+        description=f"{base.name}'s method (window, sinks, measured placement, transfer then LoRA-KL), "
+        f"budgets for {n_params / 1e6:,.0f}M parameters on a {where}",
+        model=model,
+        aliases=[],
+        layers=dataclasses.replace(base.layers, measured=None),
+        transfer=dataclasses.replace(base.transfer, tokens=transfer),
+        finetune=dataclasses.replace(base.finetune, tokens=finetune, lora_targets=[]),  # the family's own projections
+    )
+
+
+def shipped_recipe_for(model: str) -> Recipe | None:
+    """The shipped recipe whose alias, model or name matches `model`."""
     for recipe in shipped_recipes().values():
         if model in recipe.aliases or model == recipe.model or model == recipe.name:
             return recipe
-    return dataclasses.replace(Recipe(), name="custom", model=model, aliases=[])
+    return None
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The recipe as YAML that `--recipe FILE` reads back to the same run."""
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False, default_flow_style=None, width=100)

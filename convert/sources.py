@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +128,77 @@ def materialize(source: ModelSource) -> str:
     return source.location
 
 
+def shipped_config(hub_id: str) -> PretrainedConfig | None:
+    """The copy of a shipped recipe's model config that ships with linearize (recipes/configs), if any."""
+    from importlib import resources
+
+    entry = resources.files("linearize.recipes") / "configs" / f"{hub_id.replace('/', '--')}.json"
+    if not entry.is_file():
+        return None
+    return AutoConfig.for_model(**json.loads(entry.read_text()))
+
+
+def load_config(spec: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The teacher's config alone, no weights: enough to check a plan or estimate a run before anything loads.
+
+    A hub model that cannot be reached falls back to the config copy a shipped recipe carries, so plans
+    and dry runs of the shipped recipes work offline.
+    """
+    source = resolve(spec)
+    if source.kind != "hub":
+        return AutoConfig.from_pretrained(materialize(source), trust_remote_code=trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
+    except OSError:
+        config = shipped_config(source.location)
+        if config is None:
+            raise
+        logger.info("the hub is not reachable: using the config of %s that ships with linearize", source.location)
+        return config
+
+
+def check_weights(location: str) -> None:
+    """Refuse a local checkpoint whose weight files are missing or corrupt, before anything loads it.
+
+    Reads only the safetensors headers (a truncated or overwritten file fails there); a hub id is
+    checked by its download.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(location)
+    if not folder.is_dir():
+        return
+    fix = "re-download the model or re-export it"
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"weights index {str(index)!r} is corrupt: {fix}") from None
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files and not any(folder.glob("pytorch_model*.bin")):
+            raise FileNotFoundError(f"{str(folder)!r} has no weights (model.safetensors): {fix}")
+    for path in files:
+        if not path.is_file():
+            raise FileNotFoundError(f"weights file {str(path)!r} is missing: {fix}")
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except SafetensorError as err:
+            raise ValueError(f"weights file {str(path)!r} is corrupt ({str(err).splitlines()[0]}): {fix}") from None
+
+
 def load_model(
-    spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+    spec: str,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    device: torch.device | str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """Load (model, tokenizer, resolved location) for any accepted spec."""
+    """Load (model, tokenizer, resolved location) for any accepted spec; weights go straight to `device`."""
     location = materialize(resolve(spec))
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, trust_remote_code=trust_remote_code)
+    check_weights(location)
+    placement = {} if device is None else {"device_map": {"": str(device)}}
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, trust_remote_code=trust_remote_code, **placement)
     tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
     return model, tokenizer, location

@@ -18,7 +18,7 @@ TINY_ARGS = ["--seq-len", "32", "--batch-size", "2", "--heldout-tokens", "256", 
 def converted(tmp_path_factory, tiny_llama_dir, cli_env):
     cwd = tmp_path_factory.mktemp("cli")
     args = [
-        "--model", str(tiny_llama_dir), "--ratio", "3:1", "--attention", "gla", "--output", "out",
+        "--model", str(tiny_llama_dir), "--ratio", "3:1", "--placement", "spread", "--attention", "gla", "--output", "out",
         "--transfer-tokens", "256", "--finetune-tokens", "256", "--prompt", "The class statement",
         "--quiet", *TINY_ARGS,
     ]  # fmt: skip
@@ -64,6 +64,25 @@ def test_report_json(converted):
     assert set(report["stages"]["transfer"]["layer_mse"]) == {"0", "1", "2"}
     assert report["heldout_tokens"] == 256
     assert Path(report["output"]) == out.resolve()
+    memory = report["memory"]
+    assert memory["kind"] == "rss" and memory["peak_bytes"] > memory["weight_bytes"] > 0
+    assert memory["peak_over_weights"] == pytest.approx(memory["peak_bytes"] / memory["weight_bytes"])
+
+
+def test_report_holds_the_recipe_that_reproduces_the_run(converted, tiny_llama_dir):
+    import yaml
+
+    from linearize.convert.recipes import parse_recipe
+
+    _, out = converted
+    report = json.loads((out / "report.json").read_text())
+    assert (out / "recipe.yaml").read_text() == report["recipe_yaml"]
+    recipe = parse_recipe(yaml.safe_load(report["recipe_yaml"]))
+    assert recipe.name == report["recipe"] == "generic"  # no shipped recipe for this model: the proven method
+    assert recipe.model == str(tiny_llama_dir)
+    assert (recipe.transfer.tokens, recipe.finetune.tokens) == (256, 256)
+    assert (recipe.attention.window, recipe.attention.sink, recipe.layers.placement) == (64, 4, "spread")
+    assert recipe.transfer.seq_len == 32 and recipe.transfer.batch_size == 2
 
 
 def test_loss_plot_is_a_png(converted):
@@ -189,17 +208,91 @@ BAD = {
     "unknown recipe": (["--recipe", "smollm3-gla"], "unknown recipe 'smollm3-gla': use a YAML file or one of"),
     "missing recipe file": (["--recipe", "nope.yaml"], "recipe file 'nope.yaml' not found: check the path"),
     "missing dataset": (["--dataset", "nope.txt", "--transfer-tokens", "64"], "dataset file 'nope.txt' not found"),
+    "ratio without a colon": (["--ratio", "5"], "malformed ratio '5': use LINEAR:SOFTMAX"),
+    "ratio of three parts": (["--ratio", "3:0:1"], "malformed ratio '3:0:1': use LINEAR:SOFTMAX"),
+    "negative window": (["--window", "-1"], "linear_attention.window=-1: use a non-negative integer"),
+    "negative budget": (["--transfer-tokens", "-5"], "--transfer-tokens (recipe key 'transfer.tokens') must be at least 0, got -5"),
+    "zero batch": (["--batch-size", "0"], "--batch-size (recipe key 'transfer.batch_size') must be at least 1"),
+    "split of the embedded corpus": (
+        ["--split", "test", "--transfer-tokens", "64"],
+        "--split 'test' (recipe key 'transfer.split') applies to hub datasets only",
+    ),
+    "keep-softmax out of range": (["--keep-softmax", "7"], "layer index 7 out of range: the model has 4 layers"),
 }
+
+
+def refuse_loading(monkeypatch) -> None:
+    """Bad input must be refused before any weights load or training starts."""
+    import transformers
+
+    from linearize.convert import train
+
+    def loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the input was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loading)
+    monkeypatch.setattr(train, "run_loop", loading)
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_exits_2_with_one_line(case, cli, tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    refuse_loading(monkeypatch)
     flags, message = BAD[case]
     code, _, err = cli("--model", tiny_llama_dir, "--output", "out", "--quiet", "--no-measure", *flags)
     assert code == 2, err
     assert message in one_error_line(err)
-    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []  # no output, no work folder
+
+
+def test_corrupt_weights_are_refused_before_loading(cli, tiny_llama_dir, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated, as by an interrupted download
+    refuse_loading(monkeypatch)
+    code, _, err = cli("--model", model, "--output", "out", "--quiet")
+    assert code == 2
+    line = one_error_line(err)
+    assert "model.safetensors' is corrupt" in line and "re-download the model or re-export it" in line
+    (model / "model.safetensors").unlink()
+    code, _, err = cli("--model", model, "--output", "out", "--quiet")
+    assert code == 2 and "has no weights (model.safetensors)" in one_error_line(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+@pytest.mark.parametrize("output", ["a-file/out", "/proc/no/such/place"])
+def test_unwritable_output_is_refused_before_loading(output, cli, tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a folder")
+    refuse_loading(monkeypatch)
+    code, _, err = cli("--model", tiny_llama_dir, "--output", output, "--quiet")
+    assert code == 2
+    line = one_error_line(err)
+    assert f"cannot write --output '{(tmp_path / output).resolve() if not output.startswith('/') else output}'" in line
+    assert "choose another --output" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("- just\n- a list\n", "recipe section 'top level' must be a mapping"),
+        ("transfer: {tokens: 10\n", "is not valid YAML"),
+        ("layers: {ratio: '2:1:1'}\n", "malformed ratio '2:1:1'"),
+    ],
+)
+def test_malformed_recipe_file_is_refused_before_loading(text, message, cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.yaml").write_text(text)
+    refuse_loading(monkeypatch)
+    code, _, err = cli("--recipe", "bad.yaml", "--output", "out", "--quiet")
+    assert code == 2
+    assert message in one_error_line(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
 
 
 @pytest.mark.parametrize(
