@@ -67,34 +67,61 @@ def linearize_model(
     linear_attention: dict[str, Any] | None = None,
     teacher_name: str | None = None,
 ) -> LinearizeForCausalLM:
-    """Build the hybrid student from a teacher in memory; the teacher is left untouched."""
+    """Build the hybrid student from a teacher in memory, sharing the teacher's weight tensors.
+
+    The student is built on the meta device and takes the teacher's tensors as its own (no copy, no
+    random init of weights that are overwritten anyway), so teacher and student together hold one
+    set of frozen weights. Only the linear layers' new parameters get memory and their own init.
+    Nothing here or in training writes a shared tensor in place (LoRA merges into new tensors), so
+    the teacher stays as it was.
+    """
     config = student_config(teacher.config, layer_types, linear_attention or {}, teacher_name)
     config._attn_implementation_internal = text_config(teacher.config)._attn_implementation or "sdpa"
-    dtype = next(teacher.parameters()).dtype
-    student = LinearizeForCausalLM(config).to(dtype)
-    state = _decoder_state(teacher)
-    missing, unexpected = student.load_state_dict(state, strict=False)
-    new = {name for name in missing if _is_new_parameter(student, name)}
-    tied = set(student.all_tied_weights_keys) if config.tie_word_embeddings else set()
-    if set(missing) - new - tied or unexpected:
+    first = next(teacher.parameters())
+    with torch.device("meta"):
+        student = LinearizeForCausalLM(config)
+    tensors = _decoder_tensors(teacher)
+    unused = set(tensors)
+    missing = []
+    for module_name, module in student.named_modules():
+        for slot in ("_parameters", "_buffers"):
+            for name, tensor in list(getattr(module, slot).items()):
+                full = f"{module_name}.{name}" if module_name else name
+                if tensor is None or full not in tensors:
+                    if tensor is not None and not _is_new_parameter(student, full):
+                        missing.append(full)
+                    continue
+                unused.discard(full)
+                source = tensors[full]
+                if slot == "_parameters":
+                    module._parameters[name] = torch.nn.Parameter(source, requires_grad=tensor.requires_grad)
+                else:
+                    module._buffers[name] = source
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = [name for name in missing if name not in tied]
+    if missing or unused - tied:
         raise ValueError(
-            f"teacher weights do not match the student layout (missing {sorted(set(missing) - new)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}): is the checkpoint complete?"
+            f"teacher weights do not match the student layout (missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unused - tied)[:5]}): is the checkpoint complete?"
         )
+    for layer in student.modules():
+        if isinstance(layer, LinearAttention):
+            layer.materialize_linear_parts(first.device, first.dtype)
     if config.tie_word_embeddings:
         student.tie_weights()
     student.generation_config = copy.deepcopy(teacher.generation_config)
-    return student.to(next(teacher.parameters()).device)
+    return student
 
 
-def _decoder_state(teacher: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """The teacher's weights under the text decoder's names (a multimodal wrapper's other towers dropped)."""
-    state = teacher.state_dict()
+def _decoder_tensors(teacher: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Every teacher parameter and buffer under the text decoder's names (a multimodal wrapper's other towers dropped)."""
+    named = dict(teacher.named_parameters(remove_duplicate=False))
+    named.update(teacher.named_buffers(remove_duplicate=False))
     if teacher.config.model_type not in TEXT_PREFIXES:
-        return state
+        return named
     wrapper, decoder = TEXT_PREFIXES[teacher.config.model_type]
-    out = {decoder + k[len(wrapper) :]: v for k, v in state.items() if k.startswith(wrapper)}
-    out.update({k: v for k, v in state.items() if k.startswith("lm_head.")})
+    out = {decoder + k[len(wrapper) :]: v for k, v in named.items() if k.startswith(wrapper)}
+    out.update({k: v for k, v in named.items() if k.startswith("lm_head.")})
     return out
 
 

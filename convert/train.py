@@ -13,6 +13,7 @@ checkpoint, saves and stops cleanly on Ctrl-C, and refuses to continue past a Na
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -25,16 +26,20 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..modeling.families import family_of
+from .budget import activation_bytes, tokens_per_pass, transfer_activation_bytes, weight_bytes
 from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
 from .recipes import Stage
 from .swap import new_parameters
 
 logger = logging.getLogger(__name__)
+
+LOSS_CHUNK_TOKENS = 256  # positions whose logits exist at once in stage 2's loss
 
 
 class StageInterrupted(RuntimeError):
@@ -181,6 +186,32 @@ def lr_lambda(total_steps: int, warmup: int) -> Callable[[int], float]:
     return factor
 
 
+@contextmanager
+def fp32_masters(params: dict[str, torch.nn.Parameter]) -> Iterator[torch.dtype | None]:
+    """Train `params` in fp32 while the frozen weights keep their dtype; yields the autocast dtype (or None).
+
+    A bf16 model then never takes pure-bf16 AdamW steps (updates below bf16's resolution would be lost),
+    and autocast runs the mixed forward. The parameters get their own dtype back afterwards.
+    """
+    stored = {name: p.dtype for name, p in params.items()}
+    low = [d for d in stored.values() if d in (torch.bfloat16, torch.float16)]
+    for p in params.values():
+        p.data = p.data.float()
+    try:
+        yield low[0] if low else None
+    finally:
+        for name, p in params.items():
+            p.data = p.data.to(stored[name])
+
+
+def all_finite(loss: torch.Tensor, accelerator: Accelerator) -> bool:
+    """Whether the loss is finite on every process: all of them stop together, none waits in an all-reduce."""
+    bad = (~torch.isfinite(loss.detach())).any().float().reshape(1)
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad, reduction="sum")
+    return not bad.item()
+
+
 def run_loop(
     name: str,
     module: torch.nn.Module,
@@ -190,83 +221,106 @@ def run_loop(
     step_loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
     accelerator: Accelerator,
     work_dir: Path | None,
+    tokens_per_pass: int | None = None,
 ) -> StageResult:
     """Optimize `params` on `data` (one [N, L] tensor, or one per curriculum length) for the stage's
-    token budget; checkpointed and resumable."""
+    token budget; checkpointed and resumable. The module is prepared before the optimizer is built
+    (what sharded data parallelism needs).
+
+    `tokens_per_pass` caps the rows one forward takes: a step's rows then run in several passes whose
+    gradients add up (the same update as one pass, weighted by rows), so activation memory follows the
+    cap, not the batch."""
     world, rank = accelerator.num_processes, accelerator.process_index
     phases = plan_phases(data, stage, world)
     total = sum(p.steps for p in phases)
-    optimizer = torch.optim.AdamW(params.values(), lr=stage.lr, weight_decay=stage.weight_decay)
     checkpoint = Checkpoint(work_dir, name)
-    progress = checkpoint.load(params, optimizer)
-    factor = lr_lambda(total, stage.warmup_steps)
-    start = progress.get("step", 0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(step + start))
+    progress = checkpoint.meta()
     result = StageResult(name, resumed_from=progress.get("step", 0))
     result.curve = [tuple(x) for x in progress.get("curve", [])]
     if progress.get("done"):
+        checkpoint.load(params, None)
         result.steps, result.tokens = progress["step"], tokens_after(phases, progress["step"], world)
         result.seconds = progress.get("seconds", 0.0)
         logger.info("%s: already complete in the checkpoint (%d steps), skipping", name, result.steps)
         return result
-    if result.resumed_from:
-        logger.info("%s: resuming at step %d of %d", name, result.resumed_from, total)
-    prepared, optimizer = accelerator.prepare(module, optimizer)
-    elapsed = progress.get("seconds", 0.0)
-    started = time.perf_counter()
+    with fp32_masters(params) as autocast_dtype:
+        prepared = accelerator.prepare(module)
+        optimizer = torch.optim.AdamW(params.values(), lr=stage.lr, weight_decay=stage.weight_decay)
+        checkpoint.load(params, optimizer)
+        optimizer = accelerator.prepare(optimizer)
+        factor = lr_lambda(total, stage.warmup_steps)
+        start = result.resumed_from
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(step + start))
+        if start:
+            logger.info("%s: resuming at step %d of %d", name, start, total)
+        elapsed = progress.get("seconds", 0.0)
+        started = time.perf_counter()
 
-    def save(step: int, done: bool = False) -> None:
-        if accelerator.is_main_process:
-            seconds = elapsed + time.perf_counter() - started
-            state = {"step": step, "done": done, "curve": result.curve, "seconds": seconds}
-            checkpoint.save(params, optimizer, state)
-        accelerator.wait_for_everyone()
+        def save(step: int, done: bool = False) -> None:
+            if accelerator.is_main_process:
+                seconds = elapsed + time.perf_counter() - started
+                state = {"step": step, "done": done, "curve": result.curve, "seconds": seconds}
+                checkpoint.save(params, optimizer, state)
+            accelerator.wait_for_everyone()
 
-    bar = tqdm(
-        total=total,
-        initial=result.resumed_from,
-        desc=name,
-        unit="step",
-        disable=not accelerator.is_main_process or bool(os.environ.get("LINEARIZE_NO_PROGRESS")),
-    )
-    completed = result.resumed_from
-    prepared.train()
-    try:
-        for step in range(result.resumed_from, total):
-            phase, local = phase_of(phases, step)
-            batch = rows_for_step(phase.rows, local, phase.batch_size, rank, world).to(accelerator.device)
-            loss = step_loss(prepared, batch)
-            if not torch.isfinite(loss.detach()).all():
-                checkpoint.load(params, None)
-                raise NonFiniteLoss(
-                    f"{name}: loss became {loss.item()} at step {step}: lower its lr; the last good state is kept "
-                    "and a rerun resumes from it"
-                )
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(list(params.values()), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            completed = step + 1
-            value = accelerator.reduce(loss.detach(), reduction="mean").item()
-            seen = tokens_after(phases, completed, world)
-            result.curve.append((seen, value))
-            seconds = time.perf_counter() - started
-            rate = (seen - tokens_after(phases, result.resumed_from, world)) / max(seconds, 1e-9)
-            bar.set_postfix(loss=f"{value:.4g}", tok_s=f"{rate:.0f}", len=phase.rows.shape[1])
-            bar.update(1)
-            if completed % stage.checkpoint_every == 0 and completed < total:
-                save(completed)
-    except KeyboardInterrupt:
-        save(completed)
-        raise StageInterrupted(
-            f"interrupted: {name} progress saved at step {completed}; rerun the same command to resume"
-        ) from None
-    finally:
-        bar.close()
-    save(completed, done=True)
-    result.steps, result.tokens = completed, tokens_after(phases, completed, world)
-    result.seconds = elapsed + time.perf_counter() - started
+        bar = tqdm(
+            total=total,
+            initial=start,
+            desc=name,
+            unit="step",
+            disable=not accelerator.is_main_process or bool(os.environ.get("LINEARIZE_NO_PROGRESS")),
+        )
+        completed = start
+        prepared.train()
+        try:
+            for step in range(start, total):
+                phase, local = phase_of(phases, step)
+                batch = rows_for_step(phase.rows, local, phase.batch_size, rank, world).to(accelerator.device)
+                rows = batch.shape[0] if tokens_per_pass is None else max(1, tokens_per_pass // batch.shape[1])
+                pieces = batch.split(rows)
+                loss = torch.zeros((), device=accelerator.device)
+                for index, piece in enumerate(pieces):
+                    last = index == len(pieces) - 1  # gradients are all-reduced once, after the last pass
+                    with (
+                        contextlib.nullcontext() if last else accelerator.no_sync(prepared),
+                        torch.autocast(accelerator.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None),
+                    ):
+                        part = step_loss(prepared, piece) * (piece.shape[0] / batch.shape[0])
+                    if not all_finite(part, accelerator):
+                        checkpoint.load(params, None)
+                        value = part.detach().float() * batch.shape[0] / piece.shape[0]
+                        shown = value.item() if not torch.isfinite(value).all() else "non-finite on another process"
+                        raise NonFiniteLoss(
+                            f"{name}: loss became {shown} at step {step}: lower its lr; the last good state is kept "
+                            "and a rerun resumes from it"
+                        )
+                    with contextlib.nullcontext() if last else accelerator.no_sync(prepared):
+                        accelerator.backward(part)
+                    loss = loss + part.detach().float()
+                accelerator.clip_grad_norm_(list(params.values()), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                completed = step + 1
+                value = accelerator.reduce(loss.detach().float(), reduction="mean").item()
+                seen = tokens_after(phases, completed, world)
+                result.curve.append((seen, value))
+                seconds = time.perf_counter() - started
+                rate = (seen - tokens_after(phases, start, world)) / max(seconds, 1e-9)
+                bar.set_postfix(loss=f"{value:.4g}", tok_s=f"{rate:.0f}", len=phase.rows.shape[1])
+                bar.update(1)
+                if completed % stage.checkpoint_every == 0 and completed < total:
+                    save(completed)
+        except KeyboardInterrupt:
+            save(completed)
+            raise StageInterrupted(
+                f"interrupted: {name} progress saved at step {completed}; rerun the same command to resume"
+            ) from None
+        finally:
+            bar.close()
+        save(completed, done=True)
+        result.steps, result.tokens = completed, tokens_after(phases, completed, world)
+        result.seconds = elapsed + time.perf_counter() - started
     return result
 
 
@@ -275,16 +329,20 @@ def linear_layers(model: torch.nn.Module) -> list[LinearAttention]:
 
 
 @contextmanager
-def transfer_mode(model: torch.nn.Module) -> Iterator[list[LinearAttention]]:
-    """Linear layers compute, record and pass on the teacher's softmax output while inside."""
+def transfer_mode(model: torch.nn.Module, recompute: bool = False) -> Iterator[list[LinearAttention]]:
+    """Linear layers compute, record and pass on the teacher's softmax output while inside.
+
+    With `recompute`, each layer's linear path is recomputed in backward instead of kept: every layer's
+    loss is local to it, so activations drop from all linear layers' to one layer's.
+    """
     layers = linear_layers(model)
     for layer in layers:
-        layer.transfer = True
+        layer.transfer, layer.checkpoint_linear = True, recompute
     try:
         yield layers
     finally:
         for layer in layers:
-            layer.transfer, layer.transfer_loss = False, None
+            layer.transfer, layer.transfer_loss, layer.checkpoint_linear = False, None, False
 
 
 def attention_transfer(
@@ -300,8 +358,16 @@ def attention_transfer(
     for p in params.values():
         p.requires_grad_(True)
     layer_sums: dict[int, list[float]] = {}
+    weights = weight_bytes(student)
+    per_token = transfer_activation_bytes(student, 1)
+    recompute = stage.gradient_checkpointing
+    if recompute is None:
+        recompute = per_token * stage.batch_size * stage.seq_lens[0] > weights
+    if recompute:  # one layer's activations exist at a time
+        per_token //= max(1, len(linear_layers(student)))
+    per_pass = tokens_per_pass(per_token, weights)
 
-    with transfer_mode(student) as layers:
+    with transfer_mode(student, recompute) as layers:
 
         def step_loss(backbone: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
             backbone(input_ids=batch, use_cache=False)
@@ -310,7 +376,7 @@ def attention_transfer(
                 layer_sums.setdefault(layer.layer_idx, []).append(loss.item())
             return torch.stack(losses).sum()
 
-        result = run_loop("transfer", student.base_model, params, data, stage, step_loss, accelerator, work_dir)
+        result = run_loop("transfer", student.base_model, params, data, stage, step_loss, accelerator, work_dir, per_pass)
     for p in student.parameters():
         p.requires_grad_(False)
     result.layer_errors = {i: sum(v) / len(v) for i, v in layer_sums.items()}
@@ -342,15 +408,95 @@ def measure_layer_errors(student: LinearizeForCausalLM, data: torch.Tensor, batc
     return {i: sum(v) / len(v) for i, v in errors.items()}
 
 
+@contextmanager
+def teacher_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Linear layers run the teacher's softmax forward while inside: with LoRA disabled, the student is its teacher.
+
+    One set of frozen weights thus serves both models (stage 2's KL target, the teacher's perplexity).
+    """
+    layers = linear_layers(model)
+    for layer in layers:
+        layer.teacher_attention = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.teacher_attention = False
+
+
+@contextmanager
+def final_hidden_states(model: LinearizeForCausalLM) -> Iterator[list[torch.Tensor]]:
+    """Collect the decoder's last hidden states on each forward, so the loss can make logits a chunk at a time."""
+    captured: list[torch.Tensor] = []
+    hook = model.base_model.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
+    try:
+        yield captured
+    finally:
+        hook.remove()
+
+
+def head_logits(model: LinearizeForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """The family's logits from final hidden states: its output head, logit scaling and final soft-capping."""
+    logits = model.get_output_embeddings()(hidden)
+    config = model.base_model.config
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    if getattr(config, "final_logit_softcapping", None):
+        logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
+    return logits.float()
+
+
+def _chunk_loss(
+    model: LinearizeForCausalLM, hidden: torch.Tensor, labels: torch.Tensor | None, target: torch.Tensor | None
+) -> torch.Tensor:
+    logits = head_logits(model, hidden)
+    if labels is not None:
+        return F.cross_entropy(logits, labels, reduction="sum")
+    with torch.no_grad():
+        reference = head_logits(model, target).log_softmax(-1)
+    return F.kl_div(logits.log_softmax(-1), reference, log_target=True, reduction="sum")
+
+
+def next_token_loss(
+    model: LinearizeForCausalLM,
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    target: torch.Tensor | None = None,
+    chunk: int = LOSS_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Mean next-token CE against `labels`, or KL to the logits of the teacher's hidden states `target`.
+
+    hidden [B, T, H] predicts positions 1..T-1. Logits exist for `chunk` positions at a time and are
+    recomputed in backward, so the [B, T, vocab] tensors of a full forward never exist.
+    """
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    labels = None if labels is None else labels[:, 1:].reshape(-1)
+    target = None if target is None else target[:, :-1].reshape(-1, target.shape[-1])
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk):
+        part = slice(start, start + chunk)
+        total = total + checkpoint(
+            _chunk_loss,
+            model,
+            hidden[part],
+            None if labels is None else labels[part],
+            None if target is None else target[part],
+            use_reentrant=False,
+        )
+    return total / hidden.shape[0]
+
+
 def lora_finetune(
     student: LinearizeForCausalLM,
-    teacher: torch.nn.Module | None,
     data: torch.Tensor,
     stage: Stage,
     accelerator: Accelerator,
     work_dir: Path | None,
 ) -> StageResult:
-    """Stage 2: LoRA on the swapped layers (CE, or KL to the teacher), merged into the weights after."""
+    """Stage 2: LoRA on the swapped layers (CE, or KL to the teacher), merged into the weights after.
+
+    The KL's teacher is the student itself with softmax attention restored and LoRA disabled.
+    """
     from peft import LoraConfig, get_peft_model
 
     indices = [layer.layer_idx for layer in linear_layers(student)]
@@ -365,21 +511,41 @@ def lora_finetune(
         p.requires_grad_(False)
     peft_model = get_peft_model(student, config)
     params = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
-    if stage.loss == "kl" and teacher is None:
-        raise ValueError("finetune loss 'kl' needs the teacher: keep it loaded or use loss 'ce'")
-    if teacher is not None:
-        teacher.to(accelerator.device).eval()
+    weights = weight_bytes(student)
+    linear = linear_layers(student)
+    tokens_per_step = stage.batch_size * stage.seq_lens[0]
+    checkpointing = stage.gradient_checkpointing
+    if checkpointing is None:
+        checkpointing = activation_bytes(student.config, tokens_per_step, student.dtype) > weights
+    per_token = activation_bytes(student.config, 1, student.dtype, checkpointing)
+    per_token += transfer_activation_bytes(student, 1) // (max(1, len(linear)) if checkpointing else 1)
+    per_pass = tokens_per_pass(per_token, weights)
+    if checkpointing:
+        student.activation_checkpointing_enable({"use_reentrant": False})
+        for layer in linear:  # and inside each recomputed layer, its linear path once more
+            layer.checkpoint_linear = True
+        logger.info("finetune: recomputing activations in backward (kept, they would outweigh the weights)")
 
-    def step_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-        if stage.loss == "ce":
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        with torch.no_grad():
-            target = teacher(input_ids=batch, use_cache=False).logits[:, :-1].float().log_softmax(-1)
-        return F.kl_div(logits.log_softmax(-1), target, log_target=True, reduction="none").sum(-1).mean()
+    with final_hidden_states(student) as hidden:
 
-    result = run_loop("finetune", peft_model, params, data, stage, step_loss, accelerator, work_dir)
-    merged = peft_model.merge_and_unload()
+        def step_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+            hidden.clear()
+            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            if stage.loss == "ce":
+                return next_token_loss(student, hidden[0], labels=batch)
+            with torch.no_grad(), peft_model.disable_adapter(), teacher_attention(student):
+                model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            return next_token_loss(student, hidden[0], target=hidden[1])
+
+        try:
+            result = run_loop("finetune", peft_model, params, data, stage, step_loss, accelerator, work_dir, per_pass)
+        finally:
+            if checkpointing:
+                student.activation_checkpointing_disable()
+                for layer in linear:
+                    layer.checkpoint_linear = False
+    # A safe merge writes new tensors: the frozen weights the teacher shares are never changed in place.
+    merged = peft_model.merge_and_unload(safe_merge=True)
     for p in merged.parameters():
         p.requires_grad_(False)
     return result

@@ -79,15 +79,18 @@ def performer(logits: torch.Tensor, stabilizer: torch.Tensor | None = None) -> t
 
 
 def orthogonal_random_features(heads: int, features: int, dim: int, generator: torch.Generator) -> torch.Tensor:
-    """[heads, features, dim] Gaussian rows made orthogonal in blocks of `dim`, with chi-distributed norms (FAVOR+)."""
+    """[heads, features, dim] Gaussian rows made orthogonal in blocks of `dim`, with chi-distributed norms (FAVOR+).
+
+    Drawn on the generator's device, also inside a meta-device build: the rows are fixed by the seed, not learned.
+    """
     blocks = []
     for _ in range(heads):
         rows = []
         for start in range(0, features, dim):
-            gaussian = torch.randn(dim, dim, generator=generator)
+            gaussian = torch.randn(dim, dim, generator=generator, device=generator.device)
             q, _ = torch.linalg.qr(gaussian)
             rows.append(q.T[: min(dim, features - start)])
         block = torch.cat(rows, dim=0)
-        norms = torch.randn(features, dim, generator=generator).norm(dim=-1, keepdim=True)
+        norms = torch.randn(features, dim, generator=generator, device=generator.device).norm(dim=-1, keepdim=True)
         blocks.append(block * norms)
     return torch.stack(blocks)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import transformers
 from packaging.version import Version
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 MIN_TRANSFORMERS = "5.24"  # the first release we tested with LinearAttentionLayer and the `cache=` keyword
 if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):  # before the imports that would fail unclearly
@@ -322,7 +323,8 @@ class LinearAttention(nn.Module):
     `form` pins one of the three equal computations ("parallel", "chunk", "recurrent"); by default
     prefill chunks and short decoding steps use the recurrence. With `transfer` on (stage 1 of a
     conversion) the layer also runs the teacher's forward, records the MSE between the two in
-    `transfer_loss` and passes the teacher's output on, so every layer sees teacher inputs.
+    `transfer_loss` and passes the teacher's output on, so every layer sees teacher inputs. With
+    `teacher_attention` on it runs only the teacher's forward: the model is then its own teacher.
     """
 
     apply_rotary: Callable  # the family's own apply_rotary_pos_emb (partial rotary included), set per class
@@ -363,6 +365,8 @@ class LinearAttention(nn.Module):
         self.form: str | None = None
         self.transfer = False
         self.transfer_loss: torch.Tensor | None = None
+        self.teacher_attention = False  # run the teacher's softmax instead (training's KL target, the teacher's scores)
+        self.checkpoint_linear = False  # recompute the linear path in backward (stage 1 on long or many rows)
         D = self.head_dim
         if self.map_name == "hedgehog":
             width = settings["feature_dim"] or D
@@ -381,6 +385,7 @@ class LinearAttention(nn.Module):
             self.register_buffer("performer_projection", projection, persistent=True)
         else:
             channels = D
+        self.feature_channels = channels
         self.gate = None
         if self.kind != "performer" and settings["gate"] == "lowrank":
             # GLA decays per key channel, which needs positive features (Hedgehog, elu): a per-channel
@@ -401,6 +406,23 @@ class LinearAttention(nn.Module):
             self.conv = ShortConv((self.n_heads + 2 * self.n_kv_heads) * D, self.conv_size)
         if self.window and self.map_name != "performer":
             self.window_factor = nn.Parameter(torch.full((self.n_heads,), WINDOW_FACTOR_INIT))
+
+    @torch.no_grad()
+    def materialize_linear_parts(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Give the new parameters memory and their init after a meta-device build (the teacher's tensors are shared)."""
+        parts = [getattr(self, name) for name in self.linear_parts if isinstance(getattr(self, name), nn.Module)]
+        for module in [self, *(child for part in parts for child in part.modules())]:
+            for slot in ("_parameters", "_buffers"):
+                for name, tensor in list(getattr(module, slot).items()):
+                    if module is self and name not in self.linear_parts or tensor is None:
+                        continue
+                    real = torch.empty_like(tensor, device=device) if tensor.is_meta else tensor.to(device)
+                    real = real.to(dtype) if real.is_floating_point() else real
+                    getattr(module, slot)[name] = nn.Parameter(real, tensor.requires_grad) if slot == "_parameters" else real
+        for part in parts:
+            part.reset_parameters()  # every new part resets its own children (the gates' linears included)
+        if hasattr(self, "window_factor"):
+            init.constant_(self.window_factor, WINDOW_FACTOR_INIT)
 
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D], k and v [B, Hkv, T, D] as the teacher computes them, q/k norms included, before RoPE."""
@@ -454,25 +476,39 @@ class LinearAttention(nn.Module):
         """Called as the family's decoder layer calls its attention; returns (output, None): no weights to show."""
         if self.family.cache_arg != "cache":
             cache = kwargs.pop(self.family.cache_arg, cache)
+        if self.teacher_attention:
+            return self._softmax(hidden_states, position_embeddings, attention_mask, kwargs)
+        padding = kwargs.get(PADDING_KWARG)
+        if self.checkpoint_linear and cache is None and torch.is_grad_enabled():
+            out = checkpoint(self._linear, hidden_states, position_embeddings, padding, None, use_reentrant=False)
+        else:
+            out = self._linear(hidden_states, position_embeddings, padding, cache)
+        if self.transfer:
+            with torch.no_grad():
+                teacher, _ = self._softmax(hidden_states, position_embeddings, attention_mask, kwargs)
+            self.transfer_loss = F.mse_loss(out.float(), teacher.float())
+            out = teacher
+        return out, None
+
+    def _linear(self, hidden_states, position_embeddings, padding, cache):
+        """The linear layer's own output [B, T, hidden], from projection to output projection."""
         B, T = hidden_states.shape[:2]
         q_raw, k_raw, v = self.project(hidden_states)
         q, k = self.apply_rotary(q_raw, k_raw, *position_embeddings)
         if self.rope_features:
             q_raw, k_raw = q, k
-        out = self._attend(hidden_states, q, k, v, q_raw, k_raw, kwargs.get(PADDING_KWARG), cache)
-        out = getattr(self, self.family.output)(out.transpose(1, 2).reshape(B, T, -1).to(hidden_states.dtype))
-        if self.transfer:
-            with torch.no_grad():
-                teacher, _ = super().forward(
-                    hidden_states,
-                    position_embeddings=position_embeddings,
-                    attention_mask=attention_mask,
-                    **{self.family.cache_arg: None},
-                    **kwargs,
-                )
-            self.transfer_loss = F.mse_loss(out.float(), teacher.float())
-            out = teacher
-        return out, None
+        out = self._attend(hidden_states, q, k, v, q_raw, k_raw, padding, cache)
+        return getattr(self, self.family.output)(out.transpose(1, 2).reshape(B, T, -1).to(hidden_states.dtype))
+
+    def _softmax(self, hidden_states, position_embeddings, attention_mask, kwargs):
+        """The teacher's own attention forward on the same weights (uncached: it serves training and scoring)."""
+        return super().forward(
+            hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **{self.family.cache_arg: None},
+            **kwargs,
+        )
 
     def _attend(self, hidden_states, q, k, v, q_feat, k_feat, padding, cache):
         """The linear (+ window) attention output [B, H, T, D].

@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -35,7 +36,9 @@ from transformers import (
 from transformers.cache_utils import LinearAttentionLayer
 
 from linearize.convert.export import export
-from linearize.convert.swap import linearize_model
+from linearize.convert.budget import weight_bytes
+from linearize.convert.swap import linearize_model, new_parameters
+from linearize.convert.train import final_hidden_states, head_logits, next_token_loss, teacher_attention
 from linearize.modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -152,6 +155,44 @@ def recomputed(model, ids: torch.Tensor, steps: int) -> list[int]:
 
 # ----------------------------------------------------------------------------------------------
 # families
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+@torch.no_grad()
+def test_student_is_built_on_the_teachers_own_tensors(name):
+    teacher = make_teacher(name)
+    student = linearize_model(teacher, [LIN, FULL, LIN, FULL], SETTINGS)
+    teacher_storage = {p.untyped_storage().data_ptr() for p in teacher.parameters()}
+    new = set(new_parameters(student).values())
+    for pname, p in student.named_parameters():
+        assert not p.is_meta, pname
+        assert (p.untyped_storage().data_ptr() in teacher_storage) != (p in new), pname  # shared, or new
+    both = weight_bytes(torch.nn.ModuleList([teacher, student]))
+    assert both == weight_bytes(teacher) + sum(p.numel() * p.element_size() for p in new)  # one set of weights
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+@torch.no_grad()
+def test_teacher_attention_turns_the_student_into_its_teacher(name):
+    teacher, student = make_teacher(name), student_of(name)
+    ids, mask = left_padded()
+    with teacher_attention(student):
+        restored = student(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(restored, teacher(ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(student(ids, attention_mask=mask, use_cache=False).logits, restored, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+@torch.no_grad()
+def test_chunked_loss_logits_are_the_familys_own(name):
+    """Stage 2 makes logits from final hidden states a chunk at a time: scaling and soft-capping included."""
+    student = student_of(name)
+    ids = ids_of(2, 9)
+    with final_hidden_states(student) as hidden:
+        logits = student(ids, use_cache=False).logits
+    torch.testing.assert_close(head_logits(student, hidden[0]), logits.float(), rtol=1e-5, atol=1e-5)
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(next_token_loss(student, hidden[0], labels=ids, chunk=5), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)

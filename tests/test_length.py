@@ -97,7 +97,7 @@ def test_lora_on_every_layer_adapts_the_softmax_layers_too(tiny_llama_dir, tiny_
     stage = dataclasses.replace(Recipe().finetune, tokens=256, seq_len=64, batch_size=2, loss="ce", lora_layers="all")
     from linearize.convert.train import lora_finetune
 
-    lora_finetune(student, None, _stage_data(stage, tiny_tokenizer, seed=0), stage, Accelerator(cpu=True), None)
+    lora_finetune(student, _stage_data(stage, tiny_tokenizer, seed=0), stage, Accelerator(cpu=True), None)
     assert "(0|1|2|3)" in wrapped[0].target_modules
     with pytest.raises(ValueError, match="finetune.lora_layers"):
         parse_recipe({"finetune": {"lora_layers": "some"}})

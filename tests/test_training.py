@@ -1,0 +1,183 @@
+"""Training works and stays lean: stage 1 learns, LoRA merges exactly, steps split into passes give the
+same update, a resumed stage ends where an uninterrupted one does, a bf16 model trains fp32 masters,
+and a non-finite loss on one process stops every process."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM
+
+from linearize.convert.pipeline import _stage_data
+from linearize.convert.plan import plan_layers
+from linearize.convert.recipes import Recipe, Stage
+from linearize.convert.swap import linearize_model, new_parameters
+from linearize.convert.train import StageInterrupted, attention_transfer, lora_finetune, measure_layer_errors, run_loop
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SETTINGS = {**Recipe().linear_attention(), "window": 8, "sink": 2}
+
+
+def tiny_student(tiny_llama_dir, dtype=torch.float32):
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=dtype)
+    teacher.requires_grad_(False)
+    return teacher, linearize_model(teacher, plan_layers(4, linear_layers=[0, 1, 2]), SETTINGS, "tiny")
+
+
+def test_stage1_lowers_the_transfer_loss(tiny_llama_dir, tiny_tokenizer):
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).requires_grad_(False)
+    student = linearize_model(teacher, plan_layers(4, linear_layers=[0, 1, 2]), Recipe().linear_attention())
+    stage = dataclasses.replace(Recipe().transfer, tokens=64 * 2 * 40, seq_len=64, batch_size=2, lr=5e-2)
+    rows = _stage_data(stage, tiny_tokenizer, seed=0)
+    before = sum(measure_layer_errors(student, rows[0][:4]).values())
+    result = attention_transfer(student, rows, stage, Accelerator(cpu=True), None)
+    assert result.steps == 40
+    assert sum(measure_layer_errors(student, rows[0][:4]).values()) < 0.95 * before  # about 0.9x on this model
+
+
+def test_merged_lora_equals_the_peft_model_and_leaves_the_teacher(tiny_llama_dir, tiny_tokenizer, monkeypatch):
+    import peft
+
+    teacher, student = tiny_student(tiny_llama_dir)
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    real_merge = peft.LoraModel.merge_and_unload
+
+    def merge(self, *args, **kwargs):
+        self.eval()
+        with torch.no_grad():
+            seen["peft"] = self(input_ids=ids, use_cache=False).logits
+        return real_merge(self, *args, **kwargs)
+
+    monkeypatch.setattr(peft.LoraModel, "merge_and_unload", merge)
+    stage = dataclasses.replace(Recipe().finetune, tokens=3 * 2 * 64, seq_len=64, batch_size=2, lr=1e-2, loss="kl")
+    lora_finetune(student, _stage_data(stage, tiny_tokenizer, seed=0), stage, Accelerator(cpu=True), None)
+    assert not any("lora" in name for name, _ in student.named_parameters())
+    with torch.no_grad():
+        merged = student.eval()(input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(merged, seen["peft"], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(merged, linearize_model(teacher, student.config.layer_types, SETTINGS)(ids).logits)
+    for key, value in teacher.state_dict().items():  # shared frozen weights: the merge wrote new tensors
+        assert torch.equal(value, before[key]), key
+
+
+def toy(seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 1))
+    return module, dict(module.named_parameters())
+
+
+def toy_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return (model(batch).squeeze(-1) - batch.float() / 50).pow(2).mean()
+
+
+DATA = torch.randint(0, 50, (40, 6), generator=torch.Generator().manual_seed(1))
+
+
+def test_passes_split_a_step_into_the_same_update():
+    stage = Stage(tokens=5 * 4 * 6, batch_size=4, lr=0.05)
+    results = []
+    for per_pass in (None, 6, 12):  # 4 rows at once, one row per pass, two rows per pass
+        module, params = toy()
+        result = run_loop("stage", module, params, DATA, stage, toy_loss, Accelerator(cpu=True), None, per_pass)
+        results.append(({k: v.detach().clone() for k, v in params.items()}, [loss for _, loss in result.curve]))
+    for params, curve in results[1:]:
+        for name, value in params.items():
+            torch.testing.assert_close(value, results[0][0][name], rtol=1e-6, atol=1e-7)
+        assert curve == pytest.approx(results[0][1], rel=1e-6)
+
+
+def test_a_resumed_stage_ends_equal_to_an_uninterrupted_one(tmp_path):
+    stage = Stage(tokens=10 * 2 * 6, batch_size=2, lr=0.05, checkpoint_every=3)
+    module, params = toy()
+    run_loop("stage", module, params, DATA, stage, toy_loss, Accelerator(cpu=True), None)
+    uninterrupted = {k: v.detach().clone() for k, v in params.items()}
+
+    module, params = toy()
+    calls = []
+
+    def interrupted(model, batch):
+        calls.append(1)
+        if len(calls) == 8:  # during step 7: the checkpoint of step 6 is the last one
+            raise KeyboardInterrupt
+        return toy_loss(model, batch)
+
+    with pytest.raises(StageInterrupted, match="progress saved at step 7"):
+        run_loop("stage", module, params, DATA, stage, interrupted, Accelerator(cpu=True), tmp_path)
+    module, params = toy(seed=5)  # a fresh process: its parameters start elsewhere and come from the checkpoint
+    result = run_loop("stage", module, params, DATA, stage, toy_loss, Accelerator(cpu=True), tmp_path)
+    assert result.resumed_from == 7 and result.steps == 10
+    for name, value in params.items():
+        torch.testing.assert_close(value.detach(), uninterrupted[name], rtol=0, atol=0)
+
+
+def test_a_bf16_model_trains_fp32_masters_and_keeps_its_dtype(tiny_llama_dir, tiny_tokenizer, monkeypatch):
+    _, student = tiny_student(tiny_llama_dir, dtype=torch.bfloat16)
+    params = new_parameters(student)
+    assert {p.dtype for p in params.values()} == {torch.bfloat16}
+    dtypes = set()
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        dtypes.update(p.dtype for group in self.param_groups for p in group["params"])
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    stage = dataclasses.replace(Recipe().transfer, tokens=64 * 2 * 3, seq_len=64, batch_size=2, lr=1e-2)
+    result = attention_transfer(student, _stage_data(stage, tiny_tokenizer, seed=0), stage, Accelerator(cpu=True), None)
+    assert dtypes == {torch.float32}  # AdamW stepped fp32 masters, not bf16 weights
+    assert {p.dtype for p in new_parameters(student).values()} == {torch.bfloat16}
+    assert all(loss == loss for _, loss in result.curve)
+
+
+NAN_ON_ONE_RANK = textwrap.dedent(
+    """
+    import torch
+    from accelerate import Accelerator
+    from linearize.convert.recipes import Stage
+    from linearize.convert.train import NonFiniteLoss, run_loop
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 1)
+    rank = accelerator.process_index
+    calls = []
+
+    def step_loss(model, batch):
+        calls.append(1)
+        loss = model(batch.float()).pow(2).mean()
+        return loss * float("nan") if rank == 1 and len(calls) == 3 else loss
+
+    try:
+        run_loop("stage", module, dict(module.named_parameters()), torch.ones(64, 4, dtype=torch.long),
+                 Stage(tokens=10 * 2 * 4 * 2, batch_size=2, lr=0.01), step_loss, accelerator, None)
+    except NonFiniteLoss as err:
+        print(f"rank {rank} stopped: {err}", flush=True)
+        raise SystemExit(3)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) path")
+def test_a_nan_on_one_process_stops_every_process(tmp_path, cli_env):
+    from test_distributed import ACCELERATE, free_port
+
+    script = tmp_path / "nan.py"
+    script.write_text(NAN_ON_ONE_RANK)
+    command = [sys.executable, "-m", "accelerate.commands.launch", *ACCELERATE, "--main_process_port", str(free_port()), str(script)]
+    proc = subprocess.run(command, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for rank in (0, 1):  # neither waits in an all-reduce for the other
+        assert f"rank {rank} stopped: stage: loss became" in out, out[-3000:]
+    assert "rank 1 stopped: stage: loss became nan at step 2" in out
+    assert "rank 0 stopped: stage: loss became non-finite on another process at step 2" in out
