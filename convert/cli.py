@@ -1,10 +1,10 @@
-"""The `linearize` command line.
+"""`linearize` (the convert verb): flags -> recipe -> `convert`, rendered as tables.
 
     linearize --model llama --ratio 3:1 --attention gla --output out/smollm2
-    linearize eval DIR | linearize bench DIR | linearize bench --kernels | linearize ppl MODEL
-    linearize recall DIR
+    linearize --recipe llama-3.1-8b-gla --dry-run
 
-Library code only logs; this module renders (rich tables, one-line errors, exit codes).
+Library code only logs; this module renders. The other verbs live in `linearize.eval.cli`;
+`linearize.cli` dispatches between them and turns errors into one line and an exit code.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import argparse
 import logging
 import os
 import re
-import sys
 
 EXAMPLES = """examples:
   linearize --model llama --ratio 3:1                       # embedded SmolLM2-135M, GLA, recipe smollm2-gla
@@ -23,9 +22,6 @@ EXAMPLES = """examples:
   accelerate launch --multi_gpu --num_processes 2 --num_machines 1 -m linearize --model llama --output out/ddp
   linearize eval out/smollm2 --limit 200        linearize bench out/smollm2 --contexts 1024,4096
 """
-
-SUBCOMMANDS = ("eval", "bench", "ppl", "recall")
-
 
 def _lengths(text: str) -> int | list[int]:
     """'512' -> 512; '512,2048' -> [512, 2048] (a length curriculum)."""
@@ -100,6 +96,11 @@ def convert_parser() -> argparse.ArgumentParser:
     out.add_argument("--prompt", default="The Python programming language", help="prompt for the sample generation")
     out.add_argument("--max-new-tokens", type=int, default=40, help="length of the sample generation (0 skips it)")
     out.add_argument("--quiet", action="store_true", help="no progress bars or info logs")
+    out.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the effective recipe, layer plan, parameter counts and estimated memory and time; load and write nothing",
+    )
     return p
 
 
@@ -114,12 +115,12 @@ def _csv(text: str | None, cast=str) -> list | None:
 
 def recipe_from_args(args: argparse.Namespace):
     """The recipe the flags describe: --recipe or the model's default recipe, with flags on top."""
-    from .pipeline import apply_overrides
-    from .recipes import default_recipe_for, load_recipe
+    from .pipeline import apply_overrides, default_recipe
+    from .recipes import load_recipe
 
     if args.recipe is None and args.model is None:
         raise ValueError("nothing to convert: pass --model (e.g. --model llama) or --recipe")
-    recipe = load_recipe(args.recipe) if args.recipe else default_recipe_for(args.model)
+    recipe = load_recipe(args.recipe) if args.recipe else default_recipe(args.model)
     # A recipe's measured plan belongs to its ratio and placement: asking for others re-plans.
     replan = (
         args.ratio not in (None, recipe.layers.ratio)
@@ -204,9 +205,21 @@ def _sample(output: str, prompt: str, max_new_tokens: int) -> str:
     return tokenizer.decode(ids[0], skip_special_tokens=True)
 
 
+def _render_dry_run(estimate: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title="linearize --dry-run: nothing loaded, nothing written")
+    table.add_column("item")
+    table.add_column("value")
+    for item, value in estimate["rows"]:
+        table.add_row(item, value)
+    console.print(table)
+
+
 def convert_main(argv: list[str]) -> int:
     args = convert_parser().parse_args(argv)
     from rich.console import Console
+    from rich.syntax import Syntax
 
     console = Console(stderr=False)
     if args.quiet:
@@ -214,21 +227,33 @@ def convert_main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     logging.getLogger("linearize").setLevel(logging.WARNING if args.quiet else logging.INFO)
     import torch
+    import transformers
     from accelerate import Accelerator
 
-    from .pipeline import convert
+    from .pipeline import check_inputs, convert
+    from .recipes import recipe_to_yaml
     from .sources import resolve
 
+    if args.quiet:
+        transformers.utils.logging.disable_progress_bar()
     torch.set_flush_denormal(True)
     recipe = recipe_from_args(args)
     source = resolve(recipe.model)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     main = accelerator.is_main_process
+    output = args.output or default_output(recipe)
     if main:
         asked = args.model or recipe.model
         console.print(f"[bold]model[/bold] {asked} resolves to {source.spec} ({source.kind}: {source.location})")
-        console.print(f"[bold]recipe[/bold] {recipe.name}: {recipe.description or 'from flags'}")
-    output = args.output or default_output(recipe)
+        console.print(f"[bold]recipe[/bold] {recipe.name}: {recipe.description or 'from flags'} (effective, as YAML):")
+        console.print(Syntax(recipe_to_yaml(recipe), "yaml", background_color="default"))
+    if args.dry_run:
+        from .budget import dry_run
+
+        check_inputs(recipe.model, recipe, None, args.overwrite)
+        if main:
+            _render_dry_run(dry_run(recipe, accelerator.device), console)
+        return 0
     _, report = convert(
         recipe.model,
         recipe=recipe,
@@ -240,41 +265,8 @@ def convert_main(argv: list[str]) -> int:
     )
     if main:
         _render_report(report, console)
-        console.print(f"[bold]exported[/bold] {report.output} (report.json, loss.png, model card inside)")
+        console.print(f"[bold]exported[/bold] {report.output} (report.json, recipe.yaml, loss.png, model card inside)")
         if args.max_new_tokens > 0:
             console.print("[bold]sample[/bold] (reloaded with trust_remote_code):")
             console.print(_sample(report.output, args.prompt, args.max_new_tokens))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    from .train import NonFiniteLoss, StageInterrupted
-
-    try:
-        if argv and argv[0] in SUBCOMMANDS:
-            from ..eval import cli as eval_cli
-
-            verb, rest = argv[0], argv[1:]
-            if verb == "bench" and "--kernels" in rest:
-                from ..eval.kernel_bench import kernel_bench_main
-
-                return kernel_bench_main([a for a in rest if a != "--kernels"])
-            verbs = {
-                "eval": eval_cli.eval_main,
-                "bench": eval_cli.bench_main,
-                "ppl": eval_cli.ppl_main,
-                "recall": eval_cli.recall_main,
-            }
-            return verbs[verb](rest)
-        return convert_main(argv)
-    except StageInterrupted as err:
-        print(f"linearize: {err}", file=sys.stderr)
-        return 130
-    except (ValueError, OSError, NonFiniteLoss) as err:  # OSError: also a hub id that cannot be fetched
-        print(f"linearize: error: {' '.join(str(err).split())}", file=sys.stderr)  # always one line
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

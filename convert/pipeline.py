@@ -1,19 +1,21 @@
-"""The whole job as one call: resolve, select, swap, transfer, finetune, measure, export.
+"""The whole job as one call: check, load, select, swap, transfer, finetune, measure, export.
 
 `convert(teacher, tokenizer, recipe=..., output=...)` accepts a model already in memory or any
-model spec. Work in progress lives in a work folder beside the output; rerunning the same job
-resumes from it, and it is removed once the export is in place.
+model spec; each stage is one function below, and `convert` at the bottom runs them in order. Work
+in progress lives in a work folder beside the output; rerunning the same job resumes from it, and
+it is removed once the export is in place.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import json
 import logging
+import math
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,13 +25,16 @@ import torch
 from accelerate import Accelerator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..modeling.configuration_linearize import LINEAR
+from ..modeling.families import text_config
 from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
+from .budget import parameter_count, peak_rss_bytes, weight_bytes
 from .export import check_output, default_model_card, export
-from .plan import describe, plan_layers
-from .recipes import Recipe, Stage
-from .sources import load_model, resolve
-from ..modeling.families import text_config
+from .measure import perplexity
+from .plan import describe, parse_layers, plan_layers
+from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_recipe_for
+from .sources import check_weights, load_config, load_model, materialize, resolve
 from .swap import check_supported, linearize_model, new_parameters
 from .train import StageResult, attention_transfer, lora_finetune, measure_layer_errors
 
@@ -45,7 +50,8 @@ class ConversionReport:
 
     model: str
     resolved: str
-    recipe: str
+    recipe: str  # its name
+    recipe_yaml: str  # the recipe as run: `linearize --recipe` on it repeats the run
     attention: dict[str, Any]
     plan: str
     layer_types: list[str]
@@ -53,6 +59,7 @@ class ConversionReport:
     heldout_tokens: int = 0
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     layer_errors: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)  # peak bytes against the teacher's weight bytes
     seconds: float = 0.0
     output: str | None = None
 
@@ -70,6 +77,15 @@ class ConversionReport:
         for name, stage in self.stages.items():
             loss = f", final loss {stage['final_loss']:.4g}" if stage.get("final_loss") is not None else ""
             rows.append((f"{name} tokens", f"{stage['tokens']:,} in {stage['seconds']:.0f} s{loss}"))
+        if self.memory:
+            memory = self.memory
+            rows.append(
+                (
+                    f"peak memory ({memory['kind']})",
+                    f"{memory['peak_bytes'] / 2**30:.2f} GiB ({memory['peak_over_weights']:.2f}x the weights' "
+                    f"{memory['weight_bytes'] / 2**30:.2f} GiB)",
+                )
+            )
         rows.append(("total time", f"{self.seconds:.0f} s"))
         return rows
 
@@ -123,13 +139,16 @@ def _stage_data(stage: Stage, tokenizer: PreTrainedTokenizerBase, seed: int) -> 
         rows = data_lib.cut(stream, length)
         rows = rows[torch.randperm(rows.shape[0], generator=generator)]
         need = math.ceil(stage.tokens / len(stage.seq_lens) / length)
+        if need > 2 * rows.shape[0]:
+            logger.warning(
+                "%s holds %d rows of %d tokens but the budget takes %d: it will be seen %.0f times over; "
+                "pass a larger --dataset", stage.dataset, rows.shape[0], length, need, need / rows.shape[0],
+            )
         phases.append(rows[: max(1, need)])
     return phases
 
 
 def _heldout_ppl(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> float:
-    from ..eval.perplexity import perplexity
-
     seq_len = recipe.eval.heldout_seq_len
     result = perplexity(
         model,
@@ -138,16 +157,24 @@ def _heldout_ppl(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, rec
         seq_len=seq_len,
         stride=seq_len,
         max_tokens=recipe.eval.heldout_tokens,
-        batch_size=4,
+        batch_size=1,  # one window's logits at a time: the vocabulary-wide tensors stay small
         progress=not os.environ.get("LINEARIZE_NO_PROGRESS"),
     )
     return float(result["ppl"])
 
 
-def _default_dtype(recipe: Recipe, device: torch.device) -> torch.dtype:
-    if recipe.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, recipe.dtype)
+def default_recipe(model: str | PreTrainedModel) -> Recipe:
+    """The shipped recipe of a known model, else the generic method with budgets sized for it and this machine."""
+    if isinstance(model, str):
+        shipped = shipped_recipe_for(model)
+        if shipped is not None:
+            return shipped
+        n_params = parameter_count(load_config(model))
+        spec = model
+    else:
+        n_params = sum(p.numel() for p in model.parameters())
+        spec = getattr(model.config, "_name_or_path", "") or "in-memory model"
+    return generic_recipe(spec, n_params, torch.cuda.is_available())
 
 
 def plot_losses(results: list[StageResult], path: Path) -> Path | None:
@@ -217,6 +244,178 @@ class WorkDir:
         tmp.replace(self.meta)
 
 
+def check_output_writable(output: Path, overwrite: bool) -> None:
+    """Refuse an existing output (without --overwrite) or one that cannot be created, before anything is written."""
+    check_output(output, overwrite)
+    ancestor = output.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    try:
+        if not ancestor.is_dir():
+            raise NotADirectoryError(f"{str(ancestor)!r} is a file")
+        tempfile.TemporaryDirectory(dir=ancestor).cleanup()  # a probe: the export and work folder go here
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise PermissionError(f"cannot write --output {str(output)!r} ({str(ancestor)!r}: {reason}): choose another --output") from None
+
+
+def check_inputs(teacher: PreTrainedModel | str, recipe: Recipe, output: Path | None, overwrite: bool) -> None:
+    """Stage 0: refuse, in one line naming the fix, anything that would fail later; nothing loads or is written.
+
+    The recipe checked its own values when parsed; here it meets the model's config (family, layer
+    indices) and the files (weights readable, output writable).
+    """
+    if output is not None:
+        check_output_writable(output, overwrite)
+    measuring = recipe.layers.placement == "measured" and not recipe.layers.linear_layers
+    for stage in (recipe.transfer, recipe.finetune):
+        if stage.tokens or (measuring and stage is recipe.transfer):
+            data_lib.check_dataset(stage.dataset)
+    if isinstance(teacher, str):
+        source = resolve(teacher)
+        config = load_config(teacher)
+        if source.kind != "hub":
+            check_weights(materialize(source))
+    else:
+        config = teacher.config
+    check_supported(config)
+    n_layers = text_config(config).num_hidden_layers
+    layers = recipe.layers
+    placement = "spread" if layers.placement == "measured" else layers.placement  # the measured ranking comes later
+    plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax)
+    if layers.measured:
+        parse_layers(layers.measured, n_layers)
+
+
+def load_teacher(
+    teacher: PreTrainedModel | str, tokenizer: PreTrainedTokenizerBase | None, recipe: Recipe, accelerator: Accelerator
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str, str]:
+    """(teacher on the accelerator's device, frozen; tokenizer; spec as recorded; where it was loaded from)."""
+    if isinstance(teacher, str):
+        spec = _spec(teacher)  # what it resolves to (not a short name), so eval finds it again from anywhere
+        teacher, tokenizer, resolved = load_model(teacher, recipe.torch_dtype(accelerator.device), device=accelerator.device)
+    else:
+        if tokenizer is None:
+            raise ValueError("pass the teacher's tokenizer along with a model in memory")
+        spec = resolved = getattr(teacher.config, "_name_or_path", "") or "in-memory model"
+    teacher.eval().requires_grad_(False)
+    return teacher, tokenizer, spec, resolved
+
+
+def open_work_dir(
+    output: Path | None, work_dir: str | Path | None, recipe: Recipe, spec: str, overwrite: bool, accelerator: Accelerator
+) -> WorkDir | None:
+    """The run's resumable state beside the output; only the main process creates, checks or discards it."""
+    if output is None:
+        return None
+    path = Path(work_dir) if work_dir else output.parent / f".{output.name}.work"
+    work = WorkDir(path, _fingerprint(recipe, spec), overwrite) if accelerator.is_main_process else None
+    accelerator.wait_for_everyone()
+    return work or WorkDir(path, _fingerprint(recipe, spec), overwrite, writer=False)
+
+
+def select_layers(
+    teacher: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    recipe: Recipe,
+    own_model: bool,
+    work: WorkDir | None,
+    accelerator: Accelerator,
+) -> tuple[list[str], dict[int, float], dict[str, torch.Tensor] | None]:
+    """Stage 1: the layer plan, its per-layer errors, and the new parameters the measuring pass trained (or None).
+
+    `measured` placement trains every layer as linear on a short transfer and keeps softmax where the
+    error is largest; a recipe's kept plan serves its own model without measuring.
+    """
+    n_layers = text_config(teacher.config).num_hidden_layers
+    settings = recipe.linear_attention()
+    layer_errors = {} if work is None else {int(k): v for k, v in (work.get("layer_errors") or {}).items()}
+    linear = recipe.layers.linear_layers
+    trained = None
+    if recipe.layers.placement == "measured" and not linear and own_model and recipe.layers.measured:
+        linear = recipe.layers.measured
+        logger.info("using the recipe's measured plan")
+    if recipe.layers.placement == "measured" and not linear and not layer_errors:
+        logger.info("measuring every layer as linear with a short attention transfer")
+        # Layers are ranked with the feature maps on RoPE'd q/k, as the teacher sees them: that ranking
+        # measured better for students of either kind (README, "Length").
+        measure_settings = {**settings, "rope_features": True}
+        every = linearize_model(teacher, plan_layers(n_layers, linear_layers=list(range(n_layers))), measure_settings)
+        stage = dataclasses.replace(
+            recipe.transfer,
+            tokens=min(MEASURE_TOKENS, recipe.transfer.tokens or MEASURE_TOKENS),
+            seq_len=recipe.transfer.seq_lens[0],
+        )
+        rows = _stage_data(stage, tokenizer, recipe.seed)[0]
+        attention_transfer(every, rows, stage, accelerator, None)
+        layer_errors = measure_layer_errors(every, rows[: max(1, MEASURE_ROWS_TOKENS // rows.shape[1])])
+        if measure_settings == settings:  # its maps fit the student's inputs: a head start for stage 1
+            trained = {name: p.detach() for name, p in new_parameters(every).items()}
+        if work is not None:
+            work.put("layer_errors", layer_errors)
+    errors = [layer_errors.get(i, 0.0) for i in range(n_layers)] if layer_errors else None
+    layers = recipe.layers
+    types = plan_layers(n_layers, layers.ratio, layers.placement, linear, layers.keep_softmax, errors)
+    logger.info("layer plan %s", describe(types))
+    return types, layer_errors, trained
+
+
+def train_student(
+    student: LinearizeForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    recipe: Recipe,
+    accelerator: Accelerator,
+    work: WorkDir | None,
+) -> list[StageResult]:
+    """Stages 2 and 3: attention transfer, then LoRA fine-tuning (each skipped at 0 tokens, resumed from the work folder)."""
+    work_path = None if work is None else work.path
+    results = []
+    if recipe.transfer.tokens > 0:
+        rows = _stage_data(recipe.transfer, tokenizer, recipe.seed)
+        results.append(attention_transfer(student, rows, recipe.transfer, accelerator, work_path))
+    if recipe.finetune.tokens > 0:
+        rows = _stage_data(recipe.finetune, tokenizer, recipe.seed + 1)
+        results.append(lora_finetune(student, rows, recipe.finetune, accelerator, work_path))
+    student.eval()
+    return results
+
+
+def effective_recipe(recipe: Recipe, types: list[str]) -> Recipe:
+    """The recipe as run: a measured plan is kept in it, so `--recipe` on its YAML repeats the run without measuring."""
+    if recipe.layers.placement != "measured" or recipe.layers.linear_layers:
+        return recipe
+    linear = [i for i, kind in enumerate(types) if kind == LINEAR]
+    return dataclasses.replace(recipe, layers=dataclasses.replace(recipe.layers, measured=linear))
+
+
+def memory_figures(teacher: PreTrainedModel, device: torch.device) -> dict[str, float]:
+    """Peak memory of the run against the teacher's weight bytes (RSS on a CPU, allocated bytes on a GPU)."""
+    weights = weight_bytes(teacher)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+    return {"peak_bytes": peak, "weight_bytes": weights, "peak_over_weights": peak / weights, "kind": "cuda" if device.type == "cuda" else "rss"}
+
+
+def write_export(
+    student: LinearizeForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    output: Path,
+    report: ConversionReport,
+    results: list[StageResult],
+    work: WorkDir | None,
+) -> None:
+    """Stage 4: the export folder, written atomically with its report, recipe and loss plot; the work folder goes after."""
+    card = default_model_card(student) + "\n## Conversion report\n\n" + report.markdown()
+
+    def write_report(folder: Path) -> None:
+        (folder / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
+        (folder / "recipe.yaml").write_text(report.recipe_yaml)
+        plot_losses(results, folder / "loss.png")
+
+    export(student, tokenizer, output, overwrite=True, model_card=card, extras=write_report)
+    if work is not None:
+        shutil.rmtree(work.path, ignore_errors=True)
+
+
 def convert(
     teacher: PreTrainedModel | str,
     tokenizer: PreTrainedTokenizerBase | None = None,
@@ -228,89 +427,35 @@ def convert(
     accelerator: Accelerator | None = None,
     measure: bool = True,
 ) -> tuple[LinearizeForCausalLM, ConversionReport]:
-    """Linearize `teacher` by `recipe`; export to `output` when given. Returns (student, report)."""
+    """Linearize `teacher` by `recipe` (default: `default_recipe(teacher)`); export to `output` when given.
+
+    Returns (student, report). Inputs are checked before anything loads; then the teacher loads, the
+    layers are chosen, the student is built on the teacher's own weights, trained, measured and exported.
+    """
     started = time.perf_counter()
-    recipe = recipe or Recipe()
+    recipe = recipe or default_recipe(teacher)
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(recipe.seed)
-    if output is not None:
-        output = Path(output).expanduser().resolve()
-        check_output(output, overwrite)
-    # A model in memory is named by where it was loaded from, not by the recipe's (default) model.
+    output = None if output is None else Path(output).expanduser().resolve()
+    check_inputs(teacher, recipe, output, overwrite)
     by_spec = isinstance(teacher, str)
-    if by_spec:
-        # Record what the teacher resolves to (not a short name), so eval can find it again from anywhere.
-        spec = _spec(teacher)
-    else:
-        spec = getattr(teacher.config, "_name_or_path", "") or "in-memory model"
-    if isinstance(teacher, str):
-        teacher, tokenizer, resolved = load_model(teacher, dtype=_default_dtype(recipe, accelerator.device))
-    else:
-        resolved = getattr(teacher.config, "_name_or_path", "") or "in-memory model"
-        if tokenizer is None:
-            raise ValueError("pass the teacher's tokenizer along with a model in memory")
-    check_supported(teacher.config)
-    teacher.eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-
-    work = None
-    main = accelerator.is_main_process
-    if output is not None:
-        wd = Path(work_dir) if work_dir else output.parent / f".{output.name}.work"
-        # Only the main process creates, checks or discards the work folder; the others read it after.
-        if main:
-            work = WorkDir(wd, _fingerprint(recipe, spec), overwrite)
-        accelerator.wait_for_everyone()
-        if not main:
-            work = WorkDir(wd, _fingerprint(recipe, spec), overwrite, writer=False)
-    work_path = None if work is None else work.path
-    n_layers = text_config(teacher.config).num_hidden_layers
+    teacher, tokenizer, spec, resolved = load_teacher(teacher, tokenizer, recipe, accelerator)
+    work = open_work_dir(output, work_dir, recipe, spec, overwrite, accelerator)
+    own_model = by_spec and _spec(recipe.model) == spec  # a model in memory cannot be told apart: it is measured
+    types, layer_errors, trained = select_layers(teacher, tokenizer, recipe, own_model, work, accelerator)
     settings = recipe.linear_attention()
-
-    layer_errors = {} if work is None else {int(k): v for k, v in (work.get("layer_errors") or {}).items()}
-    measured_student = None
-    linear = recipe.layers.linear_layers
-    # A recipe's kept plan serves its own model only (a model in memory cannot be told apart: measure it).
-    own_model = by_spec and recipe.layers.measured and _spec(recipe.model) == spec
-    if recipe.layers.placement == "measured" and not linear and own_model:
-        linear = recipe.layers.measured
-        logger.info("using the recipe's measured plan for %s", spec)
-    if recipe.layers.placement == "measured" and not linear and not layer_errors:
-        logger.info("measuring every layer as linear with a short attention transfer")
-        all_linear = plan_layers(n_layers, linear_layers=list(range(n_layers)))
-        # Layers are ranked with the feature maps on RoPE'd q/k, as the teacher sees them: that ranking
-        # measured better for students of either kind (README, "Length").
-        measure_settings = {**settings, "rope_features": True}
-        measured_student = linearize_model(teacher, all_linear, measure_settings, spec)
-        stage = dataclasses.replace(
-            recipe.transfer,
-            tokens=min(MEASURE_TOKENS, recipe.transfer.tokens or MEASURE_TOKENS),
-            seq_len=recipe.transfer.seq_lens[0],
-        )
-        rows = _stage_data(stage, tokenizer, recipe.seed)[0]
-        attention_transfer(measured_student, rows, stage, accelerator, None)
-        layer_errors = measure_layer_errors(measured_student, rows[: max(1, MEASURE_ROWS_TOKENS // rows.shape[1])])
-        if measure_settings != settings:
-            measured_student = None  # its maps were fit to other inputs: no use as a starting point
-        if work is not None:
-            work.put("layer_errors", layer_errors)
-    errors_list = [layer_errors.get(i, 0.0) for i in range(n_layers)] if layer_errors else None
-    types = plan_layers(
-        n_layers,
-        recipe.layers.ratio,
-        recipe.layers.placement,
-        linear,
-        recipe.layers.keep_softmax,
-        errors_list,
-    )
-    logger.info("layer plan %s", describe(types))
     student = linearize_model(teacher, types, settings, spec)
+    if trained is not None:
+        with torch.no_grad():
+            for name, p in new_parameters(student).items():
+                p.copy_(trained[name])
 
+    main = accelerator.is_main_process
     report = ConversionReport(
         model=spec,
         resolved=resolved,
         recipe=recipe.name,
+        recipe_yaml=recipe_to_yaml(effective_recipe(recipe, types)),
         attention=settings,
         plan=describe(types),
         layer_types=types,
@@ -324,23 +469,7 @@ def convert(
         ppl["zero_shot"] = _heldout_ppl(student, tokenizer, recipe)
         if work is not None:
             work.put("perplexity", ppl)
-    if measured_student is not None:
-        # The measuring pass already trained every layer's new parameters: start stage 1 from them.
-        trained = new_parameters(measured_student)
-        with torch.no_grad():
-            for name, p in new_parameters(student).items():
-                p.copy_(trained[name])
-        del measured_student
-
-    results = []
-    if recipe.transfer.tokens > 0:
-        rows = _stage_data(recipe.transfer, tokenizer, recipe.seed)
-        results.append(attention_transfer(student, rows, recipe.transfer, accelerator, work_path))
-    if recipe.finetune.tokens > 0:
-        rows = _stage_data(recipe.finetune, tokenizer, recipe.seed + 1)
-        student_teacher = teacher if recipe.finetune.loss == "kl" else None
-        results.append(lora_finetune(student, student_teacher, rows, recipe.finetune, accelerator, work_path))
-    student.eval()
+    results = train_student(student, tokenizer, recipe, accelerator, work)
     for result in results:
         report.stages[result.name] = {
             "tokens": result.tokens,
@@ -354,18 +483,10 @@ def convert(
     if measure and main:
         ppl["student"] = _heldout_ppl(student, tokenizer, recipe)
     report.perplexity = ppl
+    report.memory = memory_figures(teacher, accelerator.device)
     report.seconds = time.perf_counter() - started
     accelerator.wait_for_everyone()
-
     if output is not None and main:
-        card = default_model_card(student) + "\n## Conversion report\n\n" + report.markdown()
-
-        def write_report(folder: Path) -> None:
-            (folder / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
-            plot_losses(results, folder / "loss.png")
-
-        export(student, tokenizer, output, overwrite=True, model_card=card, extras=write_report)
-        if work is not None:
-            shutil.rmtree(work.path, ignore_errors=True)
+        write_export(student, tokenizer, output, report, results, work)
     accelerator.wait_for_everyone()
     return student, report

@@ -71,7 +71,7 @@ def run_ablation(
     from accelerate import Accelerator
 
     from linearize.convert.data import heldout_text
-    from linearize.convert.pipeline import _default_dtype, apply_overrides, convert
+    from linearize.convert.pipeline import apply_overrides, convert
     from linearize.convert.recipes import load_recipe
     from linearize.convert.sources import load_model
 
@@ -80,7 +80,7 @@ def run_ablation(
     base_recipe = apply_overrides(load_recipe(recipe), base or {})
     recipes = [(name, apply_overrides(base_recipe, overrides)) for name, overrides in variants]  # validate first
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    teacher, tokenizer, _ = load_model(base_recipe.model, dtype=_default_dtype(base_recipe, accelerator.device))
+    teacher, tokenizer, _ = load_model(base_recipe.model, dtype=base_recipe.torch_dtype(accelerator.device))
     teacher.eval()
     ids = {name: tokenizer(text, verbose=False)["input_ids"] for name, text in texts.items()}
     teacher_rows = {name: _teacher_rows(teacher, i, contexts, max_tokens, output, name) for name, i in ids.items()}

@@ -39,7 +39,21 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None, body: Callable
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    """--device, --dtype, --trust-remote-code and --threads: one spelling and one meaning on every verb."""
+    parser.add_argument(
+        "--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: cuda when available, else cpu)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto, float32, bfloat16 or float16 (default auto: bfloat16 on cuda, float32 on cpu)",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a teacher or model that is not a linearize export run its own modeling code "
+        "(linearize exports always load with it)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -54,7 +68,10 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="converted model folder (the --output of `linearize`)")
     p.add_argument("--teacher", default=None, help="teacher model (default: the one recorded in DIR/config.json)")
     p.add_argument(
-        "--tasks", nargs="+", default=None, help=f"from {', '.join(TASKS)} (default: {' '.join(DEFAULT_TASKS)})"
+        "--tasks",
+        nargs="+",
+        default=None,
+        help=f"space- or comma-separated, from {', '.join(TASKS)} (default: {','.join(DEFAULT_TASKS)})",
     )
     p.add_argument("--limit", type=int, default=None, help="examples per task (default: all)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -66,7 +83,7 @@ def eval_parser() -> argparse.ArgumentParser:
 
 
 def eval_main(argv: list[str] | None = None) -> int:
-    """`linearize eval DIR [--teacher MODEL] [--tasks ...] [--limit N] [--batch-size N] [--device] [--skip-teacher]`."""
+    """`linearize eval DIR [--teacher MODEL] [--tasks a,b] [--limit N] [--device D] [--dtype T] [--skip-teacher]`."""
 
     def body(args: argparse.Namespace) -> int:
         from .perplexity import render_context_table
@@ -86,6 +103,8 @@ def eval_main(argv: list[str] | None = None) -> int:
             contexts=contexts,
             texts=texts,
             context_tokens=args.context_tokens,
+            dtype=args.dtype,
+            trust_remote_code=args.trust_remote_code,
         )
         console = _console()
         console.print(render_table(report["rows"], report["summary"]))
@@ -133,10 +152,14 @@ def bench_main(argv: list[str] | None = None) -> int:
             decode_tokens=args.decode_tokens,
             device=args.device,
             skip_teacher=args.skip_teacher,
+            dtype=args.dtype,
+            trust_remote_code=args.trust_remote_code,
         )
         console = _console()
         console.print(render_table(report["rows"]))
-        console.print(f"{report['device']}; wrote {report['paths']['json']} and {report['paths']['png']}")
+        console.print(
+            f"{report['device']}, {report['dtype']}; wrote {report['paths']['json']} and {report['paths']['png']}"
+        )
         return 0
 
     return _run(bench_parser(), argv, body)
@@ -188,11 +211,18 @@ def ppl_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="PNG of the curves (default: MODEL/context.png for a converted folder)")
     p.add_argument("--seq-len", type=int, default=None, help="one sliding-window perplexity with this window instead")
     p.add_argument("--stride", type=int, default=256, help="with --seq-len: tokens each window moves on")
-    p.add_argument("--text-file", nargs="+", default=[], help="with --seq-len: .txt/.md files, or .jsonl/.parquet with --column")
+    p.add_argument(
+        "--text-file",
+        nargs="+",
+        default=[],
+        help="with --seq-len: .txt/.md files, or .jsonl/.parquet with --text-field",
+    )
     p.add_argument("--dataset", default=None, help="with --seq-len: dataset name for datasets.load_dataset")
     p.add_argument("--dataset-config", default=None)
     p.add_argument("--split", default="test")
-    p.add_argument("--column", default="text", help="text column of .jsonl/.parquet files and datasets")
+    p.add_argument(
+        "--text-field", default="text", help="text column of .jsonl/.parquet files and datasets (default: text)"
+    )
     p.add_argument("--max-tokens", type=int, default=None, help="with --seq-len: score at most this many tokens")
     p.add_argument("--batch-size", type=int, default=4)
     _common(p)
@@ -202,13 +232,14 @@ def ppl_parser() -> argparse.ArgumentParser:
 def _sliding_ppl(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .models import check_device, load
-    from .perplexity import load_text, perplexity, windows
+    from .models import load, resolve_device_dtype
+    from ..convert.measure import perplexity, windows
+    from .perplexity import load_text
 
     windows(2, args.seq_len, args.stride)  # fail on bad --seq-len/--stride before loading anything
-    check_device(args.device)
-    text = load_text(args.text_file, args.dataset, args.dataset_config, args.split, args.column)
-    model, tokenizer, location = load(args.model, device=args.device)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    text = load_text(args.text_file, args.dataset, args.dataset_config, args.split, args.text_field)
+    model, tokenizer, location = load(args.model, device=device, dtype=dtype, trust_remote_code=args.trust_remote_code)
     if tokenizer is None:
         raise FileNotFoundError(f"{location!r} has no tokenizer: save one next to the model")
     res = perplexity(model, tokenizer, text, args.seq_len, args.stride, args.max_tokens, args.batch_size, progress=True)
@@ -227,19 +258,28 @@ def ppl_main(argv: list[str] | None = None) -> int:
         import json
         from pathlib import Path
 
-        from .models import check_device, is_model_dir, student_config, teacher_spec
+        from .models import is_model_dir, resolve_device_dtype, student_config, teacher_spec
         from .perplexity import context_report, plot_contexts, render_context_table
 
         if args.seq_len is not None:
             return _sliding_ppl(args)
         contexts, texts = _context_settings(args)
-        check_device(args.device)
+        device, dtype = resolve_device_dtype(args.device, args.dtype)  # a bad --device fails before any load
         converted = is_model_dir(args.model) and "linearize_teacher" in student_config(args.model)
         teacher = None
         if not args.skip_teacher and (args.teacher or converted):
             teacher = teacher_spec(args.model, args.teacher) if converted else args.teacher
         report = context_report(
-            args.model, teacher, texts, contexts, args.context_tokens, args.device, args.batch_size, progress=True
+            args.model,
+            teacher,
+            texts,
+            contexts,
+            args.context_tokens,
+            device,
+            args.batch_size,
+            progress=True,
+            dtype=dtype,
+            trust_remote_code=args.trust_remote_code,
         )
         console = _console()
         for name, rows in report["contexts"].items():
@@ -301,6 +341,8 @@ def recall_main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             skip_teacher=args.skip_teacher,
             seed=args.seed,
+            dtype=args.dtype,
+            trust_remote_code=args.trust_remote_code,
         )
         console = _console()
         console.print(render_table(report))

@@ -1,132 +1,41 @@
-"""Sliding-window perplexity: every token scored exactly once, always with a long left context.
+"""Perplexity against context length, on named held-out texts: tables, plots and the `ppl` report.
 
-Windows hold `seq_len` input tokens. The first window scores every token it can predict; each later
-window moves `stride` tokens on and scores only its last `stride` predictions, so each scored token
-sees at least `seq_len - stride + 1` tokens of context (the first window's tokens see what precedes
-them). `stride == seq_len` gives plain non-overlapping blocks; a smaller stride costs
-`seq_len / stride` times more compute and gets closer to full-context perplexity.
+Scoring itself (sliding windows, every token scored once) is `convert.measure.perplexity`, the same
+function a conversion reports its before/after numbers with.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
-import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..convert.measure import perplexity
 
 log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".json", ".parquet")
 
 
-def windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
-    """(input_start, input_end, n_scored) per window; window i predicts ids[start+1:end+1], scoring the last n."""
-    if seq_len < 1 or not 1 <= stride <= seq_len:
-        raise ValueError(f"need 1 <= stride <= seq_len, got seq_len={seq_len}, stride={stride}")
-    if n_tokens < 2:
-        raise ValueError(f"need at least 2 tokens to score, got {n_tokens}: give more text")
-    out = []
-    first = min(seq_len + 1, n_tokens)  # targets [1, first) in the first window
-    out.append((0, first - 1, first - 1))
-    t = first
-    while t < n_tokens:
-        e = min(t + stride, n_tokens)  # targets [t, e)
-        start = max(0, e - 1 - seq_len)
-        out.append((start, e - 1, e - t))
-        t = e
-    return out
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-@torch.no_grad()
-def perplexity(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    text: str | list[int] | torch.Tensor,
-    seq_len: int = 512,
-    stride: int = 256,
-    max_tokens: int | None = None,
-    batch_size: int = 4,
-    progress: bool = False,
-) -> dict[str, float | int]:
-    """Perplexity of `model` on `text` (a string, tokenized with the tokenizer's defaults, or token ids).
-
-    Returns {"ppl": exp(nll), "nll": mean negative log-likelihood per scored token in nats,
-    "tokens": number of scored tokens}. `max_tokens` truncates the token stream first.
-    """
-    if isinstance(text, str):
-        if tokenizer is None:
-            raise ValueError("text given as a string needs a tokenizer: pass one or pass token ids")
-        ids = tokenizer(text, verbose=False)["input_ids"]
-    elif isinstance(text, torch.Tensor):
-        ids = text.flatten().tolist()
-    else:
-        ids = list(text)
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    plan = windows(len(ids), seq_len, stride)
-    device = _device_of(model)
-    stream = torch.tensor(ids, dtype=torch.long, device=device)
-    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-
-    # Windows of equal input length batch together (all but possibly the first have seq_len).
-    groups: dict[int, list[tuple[int, int, int]]] = {}
-    for w in plan:
-        groups.setdefault(w[1] - w[0], []).append(w)
-    total_nll = torch.zeros((), dtype=torch.float64)
-    scored = 0
-    was_training = model.training
-    model.eval()  # no dropout while scoring
-    bar = tqdm(total=len(plan), desc="perplexity", unit="win", disable=not progress)
-    try:
-        for group in groups.values():
-            for i in range(0, len(group), batch_size):
-                batch = group[i : i + batch_size]
-                inputs = torch.stack([stream[s:e] for s, e, _ in batch])
-                labels = torch.stack([stream[s + 1 : e + 1] for s, e, _ in batch])
-                keep = max(n for _, _, n in batch)
-                kwargs: dict[str, Any] = {"use_cache": False}
-                if keep_logits:
-                    kwargs["logits_to_keep"] = keep
-                logits = model(inputs, **kwargs).logits[:, -keep:].float()
-                logp = torch.log_softmax(logits, dim=-1).gather(-1, labels[:, -keep:, None]).squeeze(-1)
-                # Row r scores only its last n_r predictions.
-                pos = torch.arange(keep, device=device)
-                mask = pos[None, :] >= torch.tensor([keep - n for _, _, n in batch], device=device)[:, None]
-                total_nll -= logp[mask].double().sum().cpu()
-                scored += int(mask.sum())
-                bar.update(len(batch))
-    finally:
-        bar.close()
-        model.train(was_training)
-    nll = float(total_nll) / scored
-    return {"ppl": math.exp(nll), "nll": nll, "tokens": scored}
-
-
-def _read_file(path: Path, column: str) -> list[str]:
+def _read_file(path: Path, text_field: str) -> list[str]:
     if path.suffix in (".jsonl", ".json"):
         with path.open(encoding="utf-8") as fh:
             rows = json.load(fh) if path.suffix == ".json" else [json.loads(line) for line in fh if line.strip()]
-        if not isinstance(rows, list) or not all(isinstance(r, dict) and column in r for r in rows):
-            raise ValueError(f"{path}: expected records with a {column!r} field: pass --column")
-        return [str(r[column]) for r in rows]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and text_field in r for r in rows):
+            raise ValueError(f"{path}: expected records with a {text_field!r} field: pass --text-field")
+        return [str(r[text_field]) for r in rows]
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         table = pq.read_table(path)
-        if column not in table.column_names:
-            raise ValueError(f"{path} has no column {column!r} (has {table.column_names}): pass --column")
-        return [str(x) for x in table.column(column).to_pylist()]
+        if text_field not in table.column_names:
+            raise ValueError(f"{path} has no column {text_field!r} (has {table.column_names}): pass --text-field")
+        return [str(x) for x in table.column(text_field).to_pylist()]
     return [path.read_text(encoding="utf-8")]
 
 
@@ -135,11 +44,11 @@ def load_text(
     dataset: str | None = None,
     dataset_config: str | None = None,
     split: str = "test",
-    column: str = "text",
+    text_field: str = "text",
 ) -> str:
     """The text to score: local files, a hub dataset (`datasets.load_dataset`), or the held-out slice.
 
-    Files: .txt/.md/.rst read whole; .jsonl and .parquet contribute `column` per row. Documents join
+    Files: .txt/.md/.rst read whole; .jsonl and .parquet contribute `text_field` per row. Documents join
     with blank lines. With neither files nor a dataset: the converter's fixed held-out slice of
     CPython's documentation, which stage 1 and 2 never train on.
     """
@@ -150,21 +59,23 @@ def load_text(
     for path in files:
         if not path.is_file():
             raise FileNotFoundError(f"text file {str(path)!r} not found: check the path")
-        docs.extend(_read_file(path, column))
+        docs.extend(_read_file(path, text_field))
     if dataset:
         import datasets
 
         ds = datasets.load_dataset(dataset, dataset_config, split=split)
-        if column not in ds.column_names:
-            raise ValueError(f"dataset {dataset!r} has no column {column!r} (has {ds.column_names}): pass --column")
-        docs.extend(str(x) for x in ds[column])
+        if text_field not in ds.column_names:
+            raise ValueError(
+                f"dataset {dataset!r} has no column {text_field!r} (has {ds.column_names}): pass --text-field"
+            )
+        docs.extend(str(x) for x in ds[text_field])
     if not files and not dataset:
         from linearize.convert.data import heldout_text
 
         return heldout_text()
     text = "\n\n".join(d for d in docs if d.strip())
     if not text:
-        raise ValueError("the given source holds no text: check the files or --column")
+        raise ValueError("the given source holds no text: check the files or --text-field")
     return text
 
 
@@ -308,24 +219,32 @@ def context_report(
     texts: dict[str, str],
     contexts: Iterable[int] = DEFAULT_CONTEXTS,
     max_tokens: int | None = 16384,
-    device: str = "cpu",
+    device: str = "auto",
     batch_size: int = 1,
     progress: bool = False,
+    *,
+    dtype: str | torch.dtype = "auto",
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Perplexity against context for a model (and its teacher, when given) on each named text.
 
-    Returns {"contexts": {text name: rows of `compare_contexts`}, "teacher", "student", "max_tokens"}.
-    Lengths beyond the teacher's `max_position_embeddings` are dropped for both models.
+    Returns {"contexts": {text name: rows of `compare_contexts`}, "teacher", "student", "max_tokens",
+    "device", "dtype"}. Lengths beyond the teacher's `max_position_embeddings` are dropped for both
+    models. `device` / `dtype` take "auto" (`models.resolve_device_dtype`); remote code runs for
+    linearize exports, for other models only with `trust_remote_code`.
     """
-    from .models import load
+    from .models import dtype_name, load, resolve_device_dtype
 
-    model, tokenizer, _ = load(student, device=device)
+    device, torch_dtype = resolve_device_dtype(device, dtype)
+    model, tokenizer, _ = load(student, device=device, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if tokenizer is None:
         raise FileNotFoundError(f"{student!r} has no tokenizer: save one next to the model")
     limit = model.config.max_position_embeddings
     teacher_model = None
     if teacher:
-        teacher_model, _, _ = load(teacher, device=device, with_tokenizer=False)
+        teacher_model, _, _ = load(
+            teacher, device=device, dtype=torch_dtype, with_tokenizer=False, trust_remote_code=trust_remote_code
+        )
         limit = min(limit, teacher_model.config.max_position_embeddings)
     lengths = [c for c in contexts if c <= limit]
     curves = {}
@@ -337,7 +256,14 @@ def context_report(
         if teacher_model is not None:
             t_rows = perplexity_by_context(teacher_model, None, ids, lengths, max_tokens, batch_size, progress)
         curves[name] = compare_contexts(s_rows, t_rows)
-    return {"contexts": curves, "student": student, "teacher": teacher, "max_tokens": max_tokens}
+    return {
+        "contexts": curves,
+        "student": student,
+        "teacher": teacher,
+        "max_tokens": max_tokens,
+        "device": device,
+        "dtype": dtype_name(torch_dtype),
+    }
 
 
 def context_markdown_report(report: dict[str, Any]) -> str:

@@ -193,7 +193,7 @@ def linearize_main(capfd, monkeypatch):
 
     from transformers.utils import logging as hf_logging
 
-    from linearize.convert.cli import main
+    from linearize.cli import main
 
     monkeypatch.setenv("LINEARIZE_NO_PROGRESS", "1")  # restored afterwards (--quiet sets it)
     hf_logging.disable_progress_bar()

@@ -11,15 +11,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from linearize.convert.measure import perplexity, windows
 from linearize.eval.perplexity import (
     compare_contexts,
     context_markdown,
     load_text,
-    perplexity,
     perplexity_by_context,
     plot_contexts,
     usable_contexts,
-    windows,
 )
 
 VOCAB = 128
@@ -114,15 +113,15 @@ def test_load_text_sources(tmp_path):
     pq.write_table(pa.table({"text": ["parquet row"]}), tmp_path / "c.parquet")
     text = load_text([tmp_path / "a.txt", tmp_path / "b.jsonl", tmp_path / "c.parquet"])
     assert text == "plain text\n\nrow one\n\nrow two\n\nparquet row"
-    with pytest.raises(ValueError, match="--column"):
-        load_text([tmp_path / "b.jsonl"], column="body")
+    with pytest.raises(ValueError, match="--text-field"):
+        load_text([tmp_path / "b.jsonl"], text_field="body")
     with pytest.raises(FileNotFoundError, match="not found"):
         load_text([tmp_path / "missing.txt"])
     folder = tmp_path / "hubstyle"
     folder.mkdir()
     (folder / "test.jsonl").write_text(json.dumps({"body": "from a dataset folder"}) + "\n")
     # A folder is loaded by `datasets.load_dataset`, the same call a hub name goes through.
-    assert load_text(dataset=str(folder), split="test", column="body") == "from a dataset folder"
+    assert load_text(dataset=str(folder), split="test", text_field="body") == "from a dataset folder"
     heldout = load_text()
     assert isinstance(heldout, str) and len(heldout) > 1000
 

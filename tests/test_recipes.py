@@ -4,10 +4,11 @@ import re
 from importlib import resources
 
 import pytest
+import torch
 import yaml
 
 from linearize.convert.cli import convert_parser, recipe_from_args
-from linearize.convert.recipes import Recipe, default_recipe_for, load_recipe, parse_recipe, shipped_recipes
+from linearize.convert.recipes import Recipe, load_recipe, parse_recipe, shipped_recipe_for, shipped_recipes
 from linearize.convert.sources import resolve
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
@@ -54,7 +55,7 @@ def test_short_names_resolve_to_the_embedded_model(short, tmp_path, monkeypatch)
     source = resolve(short)
     assert source.spec == EMBEDDED
     assert source.kind == "embedded"
-    assert default_recipe_for(short).name == "smollm2-gla"
+    assert shipped_recipe_for(short).name == "smollm2-gla"
 
 
 def test_unknown_short_name_lists_the_accepted_forms(tmp_path, monkeypatch):
@@ -246,3 +247,77 @@ def test_bad_attention_settings_are_refused_with_the_recipe(overrides, message):
 
     with pytest.raises(ValueError, match=message):
         apply_overrides(load_recipe("smollm2-gla"), overrides)
+
+
+# ---- any model gets a sound recipe; a dry run plans the big ones without loading them ---------------
+
+
+def test_a_model_without_a_recipe_gets_the_proven_method(tiny_llama_dir):
+    from linearize.convert.pipeline import default_recipe
+
+    recipe = default_recipe(str(tiny_llama_dir))
+    proven = shipped_recipes()["smollm2-gla"]
+    assert recipe.name == "generic" and recipe.model == str(tiny_llama_dir)
+    assert (recipe.attention.window, recipe.attention.sink) == (proven.attention.window, proven.attention.sink) == (64, 4)
+    assert recipe.layers.placement == "measured" and recipe.layers.measured is None
+    assert recipe.transfer.tokens == proven.transfer.tokens and recipe.finetune.tokens > 0
+    assert recipe.finetune.lora_targets == []  # the family's own projections, whatever their names
+
+
+def test_generic_budgets_scale_with_size_and_device():
+    from linearize.convert.recipes import generic_budget
+
+    assert generic_budget(135_000_000, accelerated=False) == 40960  # the proven budget at its own size
+    assert generic_budget(270_000_000, accelerated=False) == 20480  # the same compute: half the tokens
+    assert generic_budget(135_000_000_000, accelerated=False) == 8192  # never below the floor
+    assert generic_budget(8_000_000_000, accelerated=True) == 20_000_000 // 1024 * 1024  # LoLCATs at 8B
+    assert 2_000_000 <= generic_budget(1_000_000_000, accelerated=True) < generic_budget(8_000_000_000, accelerated=True)
+
+
+BIG = {  # shipped recipe -> (parameters in billions, layers, its config's family)
+    "llama-3.1-8b-gla": (8.030, 32, "llama"),
+    "mistral-7b-gla": (7.248, 32, "mistral"),
+    "qwen2.5-7b-gla": (7.616, 28, "qwen2"),
+    "llama-3.2-1b-gla": (1.236, 16, "llama"),
+}
+
+
+@pytest.mark.parametrize("name", list(BIG))
+def test_dry_run_plans_each_big_recipe_on_the_meta_device(name, monkeypatch):
+    import huggingface_hub.constants
+
+    from linearize.convert.budget import dry_run
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the shipped config copy is used
+    billions, layers, family = BIG[name]
+    recipe = shipped_recipes()[name]
+    plan = dry_run(recipe, torch.device("cpu"))
+    assert plan["parameters"] / 1e9 == pytest.approx(billions, abs=1e-3)
+    assert len(plan["layer_types"]) == layers
+    assert plan["layer_types"].count("linear_attention") == layers * 3 // 4  # 3:1, spread
+    assert 0 < plan["new_parameters"] < 0.01 * plan["parameters"]
+    assert 0 < plan["lora_parameters"] < 0.01 * plan["parameters"]
+    assert plan["weight_bytes"] == plan["parameters"] * 4  # fp32 on a CPU (auto dtype)
+    assert plan["weight_bytes"] < plan["peak_bytes"] < 3 * plan["weight_bytes"]
+    assert plan["seconds"]["transfer"] > 0 and plan["seconds"]["finetune"] > 0
+    rows = dict(plan["rows"])
+    assert rows["model config"].startswith(f"{family}, {layers} layers")
+
+
+def test_dry_run_from_the_cli_loads_and_writes_nothing(linearize_main, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    import transformers
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def loading(*args, **kwargs):
+        raise AssertionError("a dry run loaded weights")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loading)
+    code, out, err = linearize_main("--recipe", "llama-3.1-8b-gla", "--dry-run", "--ratio", "1:1")
+    assert code == 0, err
+    assert "linearize --dry-run" in out and "8.030 B" in out and "LSLSLS" in out.replace("\n", "")
+    assert "estimated peak memory, finetune" in out and "estimated time, transfer" in out
+    assert "name: llama-3.1-8b-gla" in out  # the effective recipe, printed as YAML
+    assert list(tmp_path.iterdir()) == []

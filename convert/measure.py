@@ -1,0 +1,108 @@
+"""Perplexity of a causal LM on a token stream: what a conversion reports before and after, and what eval sweeps.
+
+Windows hold `seq_len` input tokens. The first window scores every token it can predict; each later
+window moves `stride` tokens on and scores only its last `stride` predictions, so each scored token
+sees at least `seq_len - stride + 1` tokens of context (the first window's tokens see what precedes
+them). `stride == seq_len` gives plain non-overlapping blocks; a smaller stride costs
+`seq_len / stride` times more compute and gets closer to full-context perplexity.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    """(input_start, input_end, n_scored) per window; window i predicts ids[start+1:end+1], scoring the last n."""
+    if seq_len < 1 or not 1 <= stride <= seq_len:
+        raise ValueError(f"need 1 <= stride <= seq_len, got seq_len={seq_len}, stride={stride}")
+    if n_tokens < 2:
+        raise ValueError(f"need at least 2 tokens to score, got {n_tokens}: give more text")
+    out = []
+    first = min(seq_len + 1, n_tokens)  # targets [1, first) in the first window
+    out.append((0, first - 1, first - 1))
+    t = first
+    while t < n_tokens:
+        e = min(t + stride, n_tokens)  # targets [t, e)
+        start = max(0, e - 1 - seq_len)
+        out.append((start, e - 1, e - t))
+        t = e
+    return out
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def perplexity(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    text: str | list[int] | torch.Tensor,
+    seq_len: int = 512,
+    stride: int = 256,
+    max_tokens: int | None = None,
+    batch_size: int = 4,
+    progress: bool = False,
+) -> dict[str, float | int]:
+    """Perplexity of `model` on `text` (a string, tokenized with the tokenizer's defaults, or token ids).
+
+    Returns {"ppl": exp(nll), "nll": mean negative log-likelihood per scored token in nats,
+    "tokens": number of scored tokens}. `max_tokens` truncates the token stream first.
+    """
+    if isinstance(text, str):
+        if tokenizer is None:
+            raise ValueError("text given as a string needs a tokenizer: pass one or pass token ids")
+        ids = tokenizer(text, verbose=False)["input_ids"]
+    elif isinstance(text, torch.Tensor):
+        ids = text.flatten().tolist()
+    else:
+        ids = list(text)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    plan = windows(len(ids), seq_len, stride)
+    device = _device_of(model)
+    stream = torch.tensor(ids, dtype=torch.long, device=device)
+    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    # Windows of equal input length batch together (all but possibly the first have seq_len).
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for w in plan:
+        groups.setdefault(w[1] - w[0], []).append(w)
+    total_nll = torch.zeros((), dtype=torch.float64)
+    scored = 0
+    was_training = model.training
+    model.eval()  # no dropout while scoring
+    bar = tqdm(total=len(plan), desc="perplexity", unit="win", disable=not progress)
+    try:
+        for group in groups.values():
+            for i in range(0, len(group), batch_size):
+                batch = group[i : i + batch_size]
+                inputs = torch.stack([stream[s:e] for s, e, _ in batch])
+                labels = torch.stack([stream[s + 1 : e + 1] for s, e, _ in batch])
+                keep = max(n for _, _, n in batch)
+                kwargs: dict[str, Any] = {"use_cache": False}
+                if keep_logits:
+                    kwargs["logits_to_keep"] = keep
+                logits = model(inputs, **kwargs).logits[:, -keep:]
+                # One row's log-softmax at a time: a float copy of the whole batch's logits never exists.
+                logp = torch.stack(
+                    [torch.log_softmax(row.float(), -1).gather(-1, target[:, None]).squeeze(-1) for row, target in zip(logits, labels[:, -keep:])]
+                )
+                # Row r scores only its last n_r predictions.
+                pos = torch.arange(keep, device=device)
+                mask = pos[None, :] >= torch.tensor([keep - n for _, _, n in batch], device=device)[:, None]
+                total_nll -= logp[mask].double().sum().cpu()
+                scored += int(mask.sum())
+                bar.update(len(batch))
+    finally:
+        bar.close()
+        model.train(was_training)
+    nll = float(total_nll) / scored
+    return {"ppl": math.exp(nll), "nll": nll, "tokens": scored}
