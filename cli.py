@@ -13,10 +13,8 @@ SUBCOMMANDS = ("eval", "bench", "ppl", "recall")
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from .convert.budget import return_freed_memory
     from .convert.train import NonFiniteLoss, StageInterrupted
 
-    return_freed_memory()
     try:
         if argv and argv[0] in SUBCOMMANDS:
             from .eval import cli as eval_cli

@@ -49,12 +49,13 @@ def check_output(path: Path, overwrite: bool) -> None:
 
 
 def write_remote_code(folder: Path) -> None:
-    """Copy the modeling and kernel sources flat into `folder`, with imports made same-folder."""
+    """Copy the declared modeling and kernel sources flat into `folder`, imports made same-folder; a missing one fails."""
     for package, name in REMOTE_CODE:
         source = PACKAGE_ROOT / package / name
-        if source.is_file():
-            text = CROSS_PACKAGE_IMPORT.sub(r"from .\1 import", source.read_text())
-            (folder / name).write_text(text)
+        if not source.is_file():
+            raise FileNotFoundError(f"the export needs {str(source)!r}, which is missing: reinstall linearize")
+        text = CROSS_PACKAGE_IMPORT.sub(r"from .\1 import", source.read_text())
+        (folder / name).write_text(text)
 
 
 def export(

@@ -1,7 +1,7 @@
 """Conversion memory benchmark: peak RSS of a real `linearize` run on a random Llama, against its weight bytes.
 
     python -m linearize.eval.memory                  # hidden 1024, 16 layers (~218M parameters, 0.87 GB fp32)
-    python -m linearize.eval.memory --hidden 576 --layers 30
+    python -m linearize.eval.memory --hidden 576 --layers 30 --low-memory
 
 The teacher is a randomly initialized Llama with the embedded model's tokenizer, written to a temporary
 folder; the conversion runs in its own process (as a user runs it), so its peak RSS is the whole job's:
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--tokens", type=int, default=2048, help="transfer and finetune token budgets")
+    p.add_argument("--low-memory", action="store_true", help="pass --low-memory to the conversion")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
     from rich.console import Console
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable, "-m", "linearize", "--model", str(teacher), "--output", str(output),
             "--ratio", "3:1", "--placement", "spread", "--transfer-tokens", str(args.tokens),
             "--finetune-tokens", str(args.tokens), "--max-new-tokens", "0", "--quiet",
+            *(["--low-memory"] if args.low_memory else []),
         ]  # fmt: skip
         subprocess.run(command, check=True, env={**os.environ, "LINEARIZE_NO_PROGRESS": "1"})
         report = json.loads((output / "report.json").read_text())

@@ -272,3 +272,20 @@ def test_real_export_round_trip_without_linearize(real_export, tmp_path):
     top = last.topk(10)
     assert result["top_ids"] == top.indices.tolist()
     torch.testing.assert_close(torch.tensor(result["top_values"]), top.values, rtol=1e-5, atol=1e-4)
+
+
+def test_export_fails_on_a_missing_remote_code_file(tmp_path, monkeypatch):
+    from linearize.convert import export as export_module
+
+    monkeypatch.setattr(export_module, "REMOTE_CODE", [*export_module.REMOTE_CODE, ("kernels", "no_such_kernel.py")])
+    with pytest.raises(FileNotFoundError, match=r"no_such_kernel.py', which is missing: reinstall linearize"):
+        export_module.write_remote_code(tmp_path)
+
+
+def test_convert_does_not_import_eval():
+    """eval builds on convert (its data, sources and scoring), never the reverse."""
+    import subprocess
+    import sys
+
+    code = "import sys, linearize.convert.pipeline, linearize.convert.cli; print(any(m.startswith('linearize.eval') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
