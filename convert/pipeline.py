@@ -32,7 +32,7 @@ from . import data as data_lib
 from .budget import parameter_count, peak_rss_bytes, weight_bytes
 from .export import check_output, default_model_card, export
 from .measure import perplexity
-from .plan import describe, parse_layers, plan_layers
+from .plan import describe, plan_layers
 from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_recipe_for
 from .sources import check_weights, load_config, load_model, materialize, resolve
 from .swap import check_supported, linearize_model, new_parameters
@@ -283,8 +283,6 @@ def check_inputs(teacher: PreTrainedModel | str, recipe: Recipe, output: Path | 
     layers = recipe.layers
     placement = "spread" if layers.placement == "measured" else layers.placement  # the measured ranking comes later
     plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax)
-    if layers.measured:
-        parse_layers(layers.measured, n_layers)
 
 
 def load_teacher(

@@ -77,10 +77,13 @@ class Checkpoint:
     def meta(self) -> dict:
         if not self.exists():
             return {}
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(self.path), "pt") as f:
-            return json.loads((f.metadata() or {}).get("progress", "{}"))
+        try:
+            with safe_open(str(self.path), "pt") as f:
+                return json.loads((f.metadata() or {}).get("progress", "{}"))
+        except (SafetensorError, ValueError) as err:
+            raise ValueError(f"checkpoint {self.path} is corrupt ({err}): delete it to restart this stage") from None
 
     def save(self, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None, progress: dict) -> None:
         if self.path is None:

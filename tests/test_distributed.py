@@ -39,7 +39,7 @@ def test_accelerate_launch_two_cpu_processes(tiny_llama_dir, tmp_path, cli_env):
         (stale / f"old{i}.safetensors").write_bytes(b"x")
     command = [
         sys.executable, "-m", "accelerate.commands.launch", *ACCELERATE, "--main_process_port", str(free_port()),
-        "-m", "linearize", "--model", str(tiny_llama_dir), "--output", "ddp", "--overwrite", "--ratio", "3:1",
+        "-m", "linearize", "--model", str(tiny_llama_dir), "--output", "ddp", "--overwrite", "--ratio", "3:1", "--placement", "spread",
         "--transfer-tokens", "256", "--finetune-tokens", "256", "--seq-len", "32", "--batch-size", "2",
         "--heldout-tokens", "256", "--max-new-tokens", "3", "--quiet",
     ]  # fmt: skip

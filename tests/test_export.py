@@ -275,7 +275,9 @@ def test_real_export_round_trip_without_linearize(real_export, tmp_path):
 
 
 def test_export_fails_on_a_missing_remote_code_file(tmp_path, monkeypatch):
-    from linearize.convert import export as export_module
+    import importlib
+
+    export_module = importlib.import_module("linearize.convert.export")  # the module, not the function
 
     monkeypatch.setattr(export_module, "REMOTE_CODE", [*export_module.REMOTE_CODE, ("kernels", "no_such_kernel.py")])
     with pytest.raises(FileNotFoundError, match=r"no_such_kernel.py', which is missing: reinstall linearize"):
