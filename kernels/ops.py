@@ -24,6 +24,17 @@ except ImportError:
     HAS_TRITON = False
 
 MODES = ("chunk", "recurrent", "parallel")
+NORMALIZER_EPS = 1e-6
+
+
+def with_normalizer(v: torch.Tensor) -> torch.Tensor:
+    """v with a column of ones appended: run through the kernel, that column of the state is `z`."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def normalize_output(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """The normalized output num / (q^T z), the denominator floored so an all-masked row stays finite."""
+    return num / den.clamp_min(NORMALIZER_EPS)
 
 
 def kernel_backend(device: torch.device) -> str:
@@ -46,7 +57,6 @@ def gated_linear_attention(
     *,
     scale: float = 1.0,
     normalize: bool = False,
-    eps: float = 1e-6,
     initial_state: torch.Tensor | None = None,
     mode: str = "chunk",
     chunk_size: int = 64,
@@ -54,12 +64,14 @@ def gated_linear_attention(
     """Run GLA in the requested form; returns (output [B, HQ, T, V], final state [B, H, K, V(+1)]).
 
     With `normalize`, the state carries one extra value column (the normalizer `z`) and the
-    output is divided by `q^T z`; pass that same state back as `initial_state` to continue.
+    output is divided by `q^T z`; pass that same state back as `initial_state` to continue. A
+    caller that mixes in other terms first (the softmax window) uses `with_normalizer` and
+    `normalize_output` itself: the same two steps.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
     if normalize:
-        v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+        v = with_normalizer(v)
     backend = kernel_backend(q.device)
     if mode == "parallel":
         o, state = gla_parallel(q, k, v, g, scale, initial_state)
@@ -73,7 +85,7 @@ def gated_linear_attention(
     else:
         o, state = gla_chunked(q, k, v, g, scale, initial_state, chunk_size)
     if normalize:
-        o = o[..., :-1] / (o[..., -1:] + eps)
+        o = normalize_output(o[..., :-1], o[..., -1:])
     return o, state
 
 

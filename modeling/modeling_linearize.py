@@ -52,7 +52,7 @@ from ..kernels.feature_maps import (  # noqa: E402
     taylor,
 )
 from ..kernels.gla_torch import MIN_LOG_DECAY  # noqa: E402
-from ..kernels.ops import gated_delta_rule, gated_linear_attention  # noqa: E402
+from ..kernels.ops import gated_delta_rule, gated_linear_attention, normalize_output, with_normalizer  # noqa: E402
 from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
 from .families import Family, family_of  # noqa: E402
 
@@ -582,29 +582,34 @@ class LinearAttention(nn.Module):
             fk = fk * keep
 
         scale = self.scaling if self.map_name == "identity" else 1.0
-        if self.normalize:
-            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        mixed = self.normalize and self.window  # the window's softmax terms join before the division
         o, state = gated_linear_attention(
-            fq, fk, v, g, scale=scale, initial_state=state, mode=mode, chunk_size=self.chunk_size
+            fq,
+            fk,
+            with_normalizer(v) if mixed else v,
+            g,
+            scale=scale,
+            normalize=self.normalize and not self.window,
+            initial_state=state,
+            mode=mode,
+            chunk_size=self.chunk_size,
         )
         self._store(cache, "memory", state)
         if stabilizer is not None:
             self._store(cache, "stabilizer", stabilizer)
-        if not self.normalize:
+        if not mixed:
             return o
         num, den = o[..., :-1], o[..., -1:]
-        if self.window:
-            win_num, win_den, win_max = window_terms
-            if self.map_name == "performer":
-                # Put the FAVOR+ estimate on the window's scale: both parts then estimate exp(q.k/sqrt(D) - c).
-                key_stab = key_stab.repeat_interleave(self.kv_groups, dim=1)
-                rescale = (q_stab + key_stab - win_max).clamp(max=60.0).exp()
-                num, den = num * rescale, den * rescale
-            else:
-                w = torch.sigmoid(self.window_factor)[None, :, None, None]
-                win_num, win_den, num, den = w * win_num, w * win_den, (1 - w) * num, (1 - w) * den
-            num, den = num + win_num, den + win_den
-        return num / den.clamp_min(1e-6)
+        win_num, win_den, win_max = window_terms
+        if self.map_name == "performer":
+            # Put the FAVOR+ estimate on the window's scale: both parts then estimate exp(q.k/sqrt(D) - c).
+            key_stab = key_stab.repeat_interleave(self.kv_groups, dim=1)
+            rescale = (q_stab + key_stab - win_max).clamp(max=60.0).exp()
+            num, den = num * rescale, den * rescale
+        else:
+            w = torch.sigmoid(self.window_factor)[None, :, None, None]
+            win_num, win_den, num, den = w * win_num, w * win_den, (1 - w) * num, (1 - w) * den
+        return normalize_output(num + win_num, den + win_den)
 
     def _delta(self, fq, fk, v, beta, g, keep, cache, mode, window_terms):
         """The gated delta rule on L2-normalized features, mixed with the window's softmax by the window factor."""
@@ -618,7 +623,7 @@ class LinearAttention(nn.Module):
             return o
         win_num, win_den, _ = window_terms
         w = torch.sigmoid(self.window_factor)[None, :, None, None]
-        return w * win_num / win_den.clamp_min(1e-6) + (1 - w) * o
+        return w * normalize_output(win_num, win_den) + (1 - w) * o
 
     def _convolve(self, q_feat, k_feat, v, valid, cache):
         """The short causal convolution over q/k/v features (padding zeroed first, the last steps cached)."""

@@ -675,3 +675,26 @@ def test_gate_starts_at_its_decay_range_in_a_converted_student(decay_init):
     expected = torch.linspace(*decay_init, gate.channels, dtype=torch.float64)
     torch.testing.assert_close(decay, expected.expand_as(decay), rtol=0, atol=1e-6)
     assert gate.up.weight.abs().max() == 0  # data-independent at first: every token decays alike
+
+
+def test_the_normalization_the_kernel_tests_check_is_the_one_the_model_ships(tiny_linearize, monkeypatch):
+    """Without a window the layer hands normalization to ops (normalize=True); with one it uses ops' own two steps."""
+    from linearize.kernels import ops
+    from linearize.modeling import modeling_linearize
+
+    calls = []
+    real = ops.gated_linear_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("normalize", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_linearize, "gated_linear_attention", spy)
+    ids = torch.randint(3, 100, (1, 12))
+    for window, expected in ((0, True), (4, False)):
+        calls.clear()
+        model = tiny_linearize(["linear_attention", "full_attention"], {"window": window})
+        with torch.no_grad():
+            assert torch.isfinite(model(ids).logits).all()
+        assert calls == [expected]
+    assert modeling_linearize.normalize_output is ops.normalize_output and modeling_linearize.with_normalizer is ops.with_normalizer
