@@ -102,6 +102,37 @@ def return_freed_memory() -> None:
         pass
 
 
+def transfer_memory_plan(student: torch.nn.Module, stage, weights: int) -> tuple[bool, int, int]:
+    """Stage 1's (recompute each linear path, tokens per pass, activation bytes per token) for `weights` bytes.
+
+    It recomputes once the kept activations would outweigh the weights; every layer's loss is local
+    to it, so only one layer's activations then exist at a time.
+    """
+    from ..modeling.modeling_linearize import LinearAttention
+
+    per_token = transfer_activation_bytes(student, 1)
+    recompute = stage.gradient_checkpointing
+    if recompute is None:
+        recompute = per_token * stage.batch_size * stage.seq_lens[0] > weights
+    if recompute:
+        per_token //= max(1, sum(isinstance(m, LinearAttention) for m in student.modules()))
+    return recompute, tokens_per_pass(per_token, weights), per_token
+
+
+def finetune_memory_plan(student: torch.nn.Module, stage, weights: int) -> tuple[bool, int, int]:
+    """Stage 2's (recompute each decoder layer and linear path, tokens per pass, activation bytes per token)."""
+    from ..modeling.modeling_linearize import LinearAttention
+
+    dtype = next(student.parameters()).dtype
+    recompute = stage.gradient_checkpointing
+    if recompute is None:
+        recompute = activation_bytes(student.config, stage.batch_size * stage.seq_lens[0], dtype) > weights
+    linear = max(1, sum(isinstance(m, LinearAttention) for m in student.modules()))
+    per_token = activation_bytes(student.config, 1, dtype, recompute)
+    per_token += transfer_activation_bytes(student, 1) // (linear if recompute else 1)
+    return recompute, tokens_per_pass(per_token, weights), per_token
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -187,17 +218,10 @@ def dry_run(recipe, device: torch.device) -> dict:
     h = base.hidden_size
     transfer_tokens = recipe.transfer.batch_size * recipe.transfer.seq_lens[0]
     finetune_tokens = recipe.finetune.batch_size * recipe.finetune.seq_lens[0]
-    transfer_act = transfer_activation_bytes(student, transfer_tokens)
-    transfer_checkpointed = recipe.transfer.gradient_checkpointing
-    if transfer_checkpointed is None:
-        transfer_checkpointed = transfer_act > weights
-    if transfer_checkpointed:  # each layer's inputs, and one layer's activations while it is recomputed
-        transfer_act = n_linear * 4 * transfer_tokens * h + transfer_act // max(n_linear, 1)
-    checkpointed = recipe.finetune.gradient_checkpointing
-    if checkpointed is None:
-        checkpointed = activation_bytes(config, finetune_tokens, dtype) > weights
-    finetune_act = activation_bytes(config, finetune_tokens, dtype, checkpointed)
-    finetune_act += 3 * LOSS_CHUNK_TOKENS * base.vocab_size * 4
+    transfer_checkpointed, transfer_pass, transfer_per_token = transfer_memory_plan(student, recipe.transfer, weights)
+    transfer_act = transfer_per_token * min(transfer_tokens, transfer_pass)
+    checkpointed, finetune_pass, finetune_per_token = finetune_memory_plan(student, recipe.finetune, weights)
+    finetune_act = finetune_per_token * min(finetune_tokens, finetune_pass) + 3 * LOSS_CHUNK_TOKENS * base.vocab_size * 4
     stage1 = weights + 16 * new + transfer_act if recipe.transfer.tokens else weights
     stage2 = weights + 16 * lora + finetune_act if recipe.finetune.tokens else weights
     peak = max(stage1, stage2)

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..modeling.families import family_of
-from .budget import activation_bytes, tokens_per_pass, transfer_activation_bytes, weight_bytes
+from .budget import finetune_memory_plan, transfer_memory_plan, weight_bytes
 from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
 from .recipes import Stage
 from .swap import new_parameters
@@ -361,14 +361,7 @@ def attention_transfer(
     for p in params.values():
         p.requires_grad_(True)
     layer_sums: dict[int, list[float]] = {}
-    weights = weight_bytes(student)
-    per_token = transfer_activation_bytes(student, 1)
-    recompute = stage.gradient_checkpointing
-    if recompute is None:
-        recompute = per_token * stage.batch_size * stage.seq_lens[0] > weights
-    if recompute:  # one layer's activations exist at a time
-        per_token //= max(1, len(linear_layers(student)))
-    per_pass = tokens_per_pass(per_token, weights)
+    recompute, per_pass, _ = transfer_memory_plan(student, stage, weight_bytes(student))
 
     with transfer_mode(student, recompute) as layers:
 
@@ -514,15 +507,8 @@ def lora_finetune(
         p.requires_grad_(False)
     peft_model = get_peft_model(student, config)
     params = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
-    weights = weight_bytes(student)
     linear = linear_layers(student)
-    tokens_per_step = stage.batch_size * stage.seq_lens[0]
-    checkpointing = stage.gradient_checkpointing
-    if checkpointing is None:
-        checkpointing = activation_bytes(student.config, tokens_per_step, student.dtype) > weights
-    per_token = activation_bytes(student.config, 1, student.dtype, checkpointing)
-    per_token += transfer_activation_bytes(student, 1) // (max(1, len(linear)) if checkpointing else 1)
-    per_pass = tokens_per_pass(per_token, weights)
+    checkpointing, per_pass, _ = finetune_memory_plan(student, stage, weight_bytes(student))
     if checkpointing:
         student.activation_checkpointing_enable({"use_reentrant": False})
         for layer in linear:  # and inside each recomputed layer, its linear path once more

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..convert.recipes import auto_dtype
+
 log = logging.getLogger(__name__)
 
 TEACHER_KEY = "linearize_teacher"
@@ -69,7 +71,7 @@ def resolve_device_dtype(device: str = "auto", dtype: str | torch.dtype = "auto"
             raise ValueError(f"unsupported dtype {dtype}: use auto, {', '.join(DTYPES)}")
         return device, dtype
     if dtype == "auto":
-        return device, torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return device, auto_dtype(device)
     if dtype not in DTYPES:
         raise ValueError(f"unsupported --dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
     return device, DTYPES[dtype]
