@@ -18,6 +18,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -207,6 +209,30 @@ def fp32_masters(params: dict[str, torch.nn.Parameter]) -> Iterator[torch.dtype 
             p.data = p.data.to(stored[name])
 
 
+@contextmanager
+def stop_on_ctrl_c() -> Iterator[Callable[[], bool]]:
+    """Ctrl-C asks the stage to stop after its current step; a second Ctrl-C stops at once.
+
+    A KeyboardInterrupt that lands in a finalizer (a `__del__` run by the garbage collector) is
+    printed and dropped by Python, so the signal is caught here and acted on at a step boundary.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    asked: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+
+    def ask(signum, frame) -> None:
+        asked.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGINT, ask)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def all_finite(loss: torch.Tensor, accelerator: Accelerator) -> bool:
     """Whether the loss is finite on every process: all of them stop together, none waits in an all-reduce."""
     bad = (~torch.isfinite(loss.detach())).any().float().reshape(1)
@@ -246,7 +272,7 @@ def run_loop(
         result.seconds = progress.get("seconds", 0.0)
         logger.info("%s: already complete in the checkpoint (%d steps), skipping", name, result.steps)
         return result
-    with fp32_masters(params) as autocast_dtype:
+    with fp32_masters(params) as autocast_dtype, stop_on_ctrl_c() as asked_to_stop:
         prepared = accelerator.prepare(module)
         optimizer = torch.optim.AdamW(params.values(), lr=stage.lr, weight_decay=stage.weight_decay)
         checkpoint.load(params, optimizer)
@@ -314,6 +340,8 @@ def run_loop(
                 bar.update(1)
                 if completed % stage.checkpoint_every == 0 and completed < total:
                     save(completed)
+                if asked_to_stop() and completed < total:
+                    raise KeyboardInterrupt
         except KeyboardInterrupt:
             save(completed)
             raise StageInterrupted(
