@@ -13,6 +13,11 @@ Method (the same for both models, in one process):
   before the point, after `malloc_trim`) minus the resident set before it; where that reset is
   unavailable, RSS is sampled every 2 ms instead. This counts everything the process touched
   (activations, cache, allocator slack), so it is an honest upper bound, not a tensor count.
+- Bandwidth bound: a decoding step must read every weight once (the input embedding only for its
+  B rows, unless the output head shares it) and the whole cache. Those bytes over the machine's
+  read bandwidth, measured in the same run (`read_bandwidth`: the best of a few sums over a
+  buffer far larger than the caches), give the ideal tokens/s; `bound_fraction` is the measured
+  tokens/s over it. The cache read is the cache after decoding, so the bound is slightly strict.
 - Points whose predicted cache would not fit in the free memory are skipped, not crashed into.
 - Each model gets one small warm-up point first, so one-time costs are not timed.
 """
@@ -148,6 +153,33 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+BANDWIDTH_BUFFER_BYTES = 512 * MiB  # far past any last-level cache
+
+
+def read_bandwidth(device: torch.device, repeats: int = 5) -> float:
+    """Bytes per second the device streams from memory: the best of `repeats` sums over a large fp32 buffer."""
+    buffer = torch.ones(BANDWIDTH_BUFFER_BYTES // 4, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first touches the pages
+        _sync(device)
+        start = time.perf_counter()
+        buffer.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return BANDWIDTH_BUFFER_BYTES / best
+
+
+def weight_bytes_per_step(model: PreTrainedModel, batch: int) -> int:
+    """Weight bytes a decoding step of `batch` tokens reads: every tensor once, the input embedding only for its rows."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embedding is not None and (head is None or head.weight.data_ptr() != embedding.weight.data_ptr()):
+        table = embedding.weight
+        total -= table.numel() * table.element_size() - batch * table.shape[1] * table.element_size()
+    return total
+
+
 class _Runner:
     """Prefill + greedy decode with a transformers DynamicCache, as `generate` would do it."""
 
@@ -188,11 +220,16 @@ def bench_model(
     name: str = "model",
     seed: int = 0,
     progress: bool = True,
+    bandwidth: float | None = None,
 ) -> list[dict[str, Any]]:
-    """One dict per (context, batch): timings, tokens/s, peak memory, cache bytes, and `status`
-    ("ok", "skipped: ..." when the predicted cache does not fit, "oom" when it ran out anyway)."""
+    """One dict per (context, batch): timings, tokens/s, the bandwidth bound, peak memory, cache bytes, and
+    `status` ("ok", "skipped: ..." when the predicted cache does not fit, "oom" when it ran out anyway).
+
+    `bandwidth` (bytes/s) is measured here unless given, so two models can share one measurement.
+    """
     runner = _Runner(model)
     device = runner.device
+    bandwidth = bandwidth or read_bandwidth(device)
     # Warm-up: first calls pay for lazy init, kernel selection and allocator growth.
     token, cache = runner.prefill(torch.zeros(1, 16, dtype=torch.long, device=device))
     runner.decode(token, cache, 2)
@@ -238,12 +275,19 @@ def bench_model(
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        step_bytes = weight_bytes_per_step(model, batch) + cache_nbytes(cache)
+        bound_tok_s = batch * bandwidth / step_bytes
+        decode_tok_s = batch * decode_tokens / (t2 - t1) if decode_tokens else None
         point.update(
             status="ok",
             prefill_s=t1 - t0,
             prefill_tok_s=batch * context / (t1 - t0),
             decode_s=t2 - t1,
-            decode_tok_s=batch * decode_tokens / (t2 - t1) if decode_tokens else None,
+            decode_tok_s=decode_tok_s,
+            step_bytes=step_bytes,
+            bandwidth_bytes_s=bandwidth,
+            bound_tok_s=bound_tok_s,
+            bound_fraction=None if decode_tok_s is None else decode_tok_s / bound_tok_s,
             peak_mem_bytes=mem.peak_bytes,
             memory_method=mem.method,
             cache_bytes=cache_nbytes(cache),
@@ -260,7 +304,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-METRICS = ("prefill_s", "decode_tok_s", "peak_mem_bytes", "cache_bytes")
+METRICS = ("prefill_s", "decode_tok_s", "bound_tok_s", "bound_fraction", "peak_mem_bytes", "cache_bytes")
 
 
 def ratio_rows(student: list[dict[str, Any]], teacher: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -295,6 +339,9 @@ TABLE_COLUMNS = (
     ("prefill\n×", "prefill_speedup", 1.0, ".2f"),
     ("decode\ntok/s", "student_decode_tok_s", 1.0, ".1f"),
     ("decode\n×", "decode_speedup", 1.0, ".2f"),
+    ("bound\ntok/s", "student_bound_tok_s", 1.0, ".1f"),
+    ("of bound\nS", "student_bound_fraction", 1.0, ".0%"),
+    ("of bound\nT", "teacher_bound_fraction", 1.0, ".0%"),
     ("cache\nMiB", "student_cache_bytes", MiB, ".1f"),
     ("cache\nS/T", "cache_ratio", 1.0, ".3f"),
     ("peak\nMiB", "student_peak_mem_bytes", MiB, ".0f"),
@@ -302,7 +349,10 @@ TABLE_COLUMNS = (
 )
 
 
-TITLE = "student speed and memory (×: speedup over teacher, S/T: student/teacher)"
+TITLE = (
+    "student speed and memory (×: speedup over teacher, S/T: student/teacher; bound: the decode tokens/s that "
+    "reading the weights and cache at the measured bandwidth allows, of bound: measured / bound)"
+)
 
 
 def render_table(rows: list[dict[str, Any]], title: str = TITLE) -> Any:
@@ -400,11 +450,14 @@ def run_bench(
     dev = torch.device(device)
     models = {"student": str(student_dir)} | ({"teacher": tspec} if tspec else {})
     points: dict[str, list[dict[str, Any]]] = {}
+    bandwidth = read_bandwidth(dev)
     for role, spec in models.items():
         model, _, _ = load(
             spec, device=device, dtype=torch_dtype, with_tokenizer=False, trust_remote_code=trust_remote_code
         )
-        points[role] = bench_model(model, contexts, batch_sizes, decode_tokens, name=role, progress=progress)
+        points[role] = bench_model(
+            model, contexts, batch_sizes, decode_tokens, name=role, progress=progress, bandwidth=bandwidth
+        )
         del model
         gc.collect()
         if dev.type == "cuda":
@@ -420,6 +473,7 @@ def run_bench(
         "contexts": list(contexts),
         "batch_sizes": list(batch_sizes),
         "decode_tokens": decode_tokens,
+        "read_bandwidth_gb_s": bandwidth / 1e9,
         "points": points,
         "rows": rows,
         "paths": {"json": str(out / "bench.json"), "png": str(out / "bench.png")},

@@ -10,7 +10,15 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from linearize.eval.bench import PeakMemory, bench_model, cache_nbytes, parse_int_list, ratio_rows
+from linearize.eval.bench import (
+    PeakMemory,
+    bench_model,
+    cache_nbytes,
+    parse_int_list,
+    ratio_rows,
+    read_bandwidth,
+    weight_bytes_per_step,
+)
 from linearize.eval.cli import bench_main
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8
@@ -60,9 +68,22 @@ def test_bench_model_points_and_cache_size(model_dir):
         assert p["status"] == "ok"
         assert p["cache_bytes"] == kv_bytes(p["batch"], p["context"] + 3)
         assert p["prefill_s"] > 0 and p["decode_tok_s"] > 0 and p["peak_mem_bytes"] >= 0
+        assert p["step_bytes"] == weight_bytes_per_step(model, p["batch"]) + p["cache_bytes"]
+        assert p["bound_tok_s"] == pytest.approx(p["batch"] * p["bandwidth_bytes_s"] / p["step_bytes"])
+        assert p["bound_fraction"] == pytest.approx(p["decode_tok_s"] / p["bound_tok_s"])
     rows = ratio_rows(points, points)
     assert all(r["cache_ratio"] == 1.0 and r["prefill_speedup"] == 1.0 for r in rows)
     assert ratio_rows(points, None)[0]["decode_speedup"] is None
+
+
+def test_weight_bytes_per_step_reads_the_input_embedding_only_for_its_rows(model_dir):
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    every = sum(t.numel() * 4 for t in [*model.parameters(), *model.buffers()])
+    table = model.get_input_embeddings().weight
+    untied = model.get_output_embeddings().weight.data_ptr() != table.data_ptr()
+    skipped = (table.numel() - 3 * table.shape[1]) * 4 if untied else 0
+    assert weight_bytes_per_step(model, 3) == every - skipped
+    assert read_bandwidth(torch.device("cpu"), repeats=1) > 1e8  # any machine streams more than 100 MB/s
 
 
 def test_peak_memory_sees_a_large_allocation():
