@@ -2,7 +2,15 @@
 
 Inputs are per-head tensors [B, H, T, D]; per-head parameters have a leading H. `hedgehog` and
 `performer` run fused Triton kernels where `ops.kernel_backend` says triton (CUDA, or forced by
-LINEARIZE_KERNELS).
+LINEARIZE_KERNELS) and the kernel takes the inputs (feature widths up to the caps in
+`feature_maps_triton`), PyTorch otherwise.
+
+Dtypes, the same on both paths: a map returns its input's dtype (x for Hedgehog, the logits for
+Performer) whatever the dtype of the parameters or stabilizer and whether autocast is on, and each
+gradient comes back in its own input's dtype. So bf16 activations with fp32 master weights under
+autocast give bf16 features, the dtype of the v they meet, and fp32 weight gradients; the bare
+PyTorch expressions would give fp32 there (the fp32 bias promotes, and CUDA autocast runs softmax
+and exp in fp32), hence the explicit cast.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import torch
 from .ops import kernel_backend
 
 try:
-    from .feature_maps_triton import hedgehog_triton, performer_fusable, performer_triton
+    from .feature_maps_triton import hedgehog_fusable, hedgehog_triton, performer_fusable, performer_triton
 
     HAS_FUSED = True
 except ImportError:
@@ -25,15 +33,27 @@ def _fused(x: torch.Tensor) -> bool:
     return HAS_FUSED and kernel_backend(x.device) == "triton"
 
 
+def per_head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D] @ weight [H, D, F] -> [B, H, T, F]: one matmul batched over heads.
+
+    Broadcasting the weight over B would copy it B times, and einsum spends more small ops on the
+    same bmm than a decoding step's few rows cost.
+    """
+    B, H, T, D = x.shape
+    return (x.transpose(0, 1).reshape(H, B * T, D) @ weight).view(H, B, T, -1).transpose(0, 1)
+
+
 def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Hedgehog map: softmax over features of +/-(xW + b), so phi(q).phi(k) stays positive and spiky like softmax.
 
-    x [B, H, T, D], weight [H, D, F], bias [H, F] -> [B, H, T, 2F].
+    x [B, H, T, D], weight [H, D, F], bias [H, F] -> [B, H, T, 2F] in x's dtype; the projection runs in
+    the wider of x's and weight's dtypes, so bf16 x also takes fp32 weights outside autocast.
     """
-    if _fused(x):
+    if _fused(x) and hedgehog_fusable(x, weight, bias):
         return hedgehog_triton(x, weight, bias)
-    z = torch.einsum("bhtd,hdf->bhtf", x, weight) + bias[:, None, :]
-    return torch.cat([z.softmax(-1), (-z).softmax(-1)], dim=-1)
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    z = per_head_matmul(x.to(dtype), weight.to(dtype)) + bias[:, None, :]
+    return torch.stack([z, -z], dim=-2).softmax(-1).flatten(-2).to(x.dtype)
 
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +68,7 @@ def taylor(x: torch.Tensor, weight: torch.Tensor, radius: float | None = None) -
     1 + q'.k'/sqrt(d) + (q'.k')^2 / (2d): exp(q'.k'/sqrt(d)) to second order, and always positive.
     With `radius`, x' is L2-normalized to that length first (which bounds the argument).
     """
-    x = torch.einsum("bhtd,hdf->bhtf", x, weight)
+    x = per_head_matmul(x, weight)
     if radius is not None:
         x = torch.nn.functional.normalize(x, dim=-1) * radius
     d = x.shape[-1]
@@ -62,7 +82,7 @@ def performer_logits(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     x [B, H, T, D], projection [H, M, D] -> [B, H, T, M].
     """
     x = x * x.shape[-1] ** -0.25
-    return torch.einsum("bhtd,hmd->bhtm", x, projection) - 0.5 * x.pow(2).sum(-1, keepdim=True)
+    return per_head_matmul(x, projection.transpose(-1, -2)) - 0.5 * x.pow(2).sum(-1, keepdim=True)
 
 
 def performer(logits: torch.Tensor, stabilizer: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,12 +90,13 @@ def performer(logits: torch.Tensor, stabilizer: torch.Tensor | None = None) -> t
 
     Without a stabilizer each token subtracts its own max (exact for queries once the output is
     normalized); keys pass a running max so every key of a sequence shares one scale per step.
+    The result has the logits' dtype, whatever the stabilizer's.
     """
     if _fused(logits) and performer_fusable(logits, stabilizer):
         return performer_triton(logits, stabilizer)
     if stabilizer is None:
         stabilizer = logits.amax(-1, keepdim=True).detach()
-    return (logits - stabilizer).exp() / math.sqrt(logits.shape[-1])
+    return ((logits - stabilizer).exp() / math.sqrt(logits.shape[-1])).to(logits.dtype)
 
 
 def orthogonal_random_features(heads: int, features: int, dim: int, generator: torch.Generator) -> torch.Tensor:

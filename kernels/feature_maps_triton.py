@@ -5,6 +5,19 @@ Fusing pays where the PyTorch version makes several passes over a [B, H, T, M] t
 - Hedgehog: the per-head projection, both softmaxes and the concatenation in one kernel, and in the
   backward the softmax Jacobians and dx = dz W^T in one more (dW and the bias gradient are plain
   reductions over tokens, left to torch's matmul).
+
+Caps: a program holds whole rows of features in registers, so a softmax or max over them takes one
+pass. Hedgehog takes F <= HEDGEHOG_MAX_FEATURES per half (fp32 tiles of [rows, F], at most 4096
+elements: fewer rows as F grows; D is looped over in tiles of 64 and needs no cap), Performer M <=
+PERFORMER_MAX_FEATURES (no tile beyond the 8192 elements the small-M case already uses). Wider
+maps, float64 and shapes the kernels do not take run in PyTorch: `feature_maps` asks
+`hedgehog_fusable` / `performer_fusable` first.
+
+Dtypes: inputs may be fp32, bf16 or fp16, and need not agree (autocast hands bf16 activations to
+fp32 parameters). Arithmetic is fp32; Hedgehog's matmuls accumulate in fp32 from operands of
+`_dot_config` for the wider of x and weight (bf16 tensor cores only when both are bf16). The output
+has the dtype of x (Hedgehog) or of the logits (Performer), as in `feature_maps`' PyTorch path; each
+gradient comes back in its own input's dtype (fp32 master weights get fp32 gradients).
 """
 
 from __future__ import annotations
@@ -117,24 +130,28 @@ def _hedgehog_bwd_kernel(
 
 _hedgehog_fwd = _tuned(_hedgehog_fwd_kernel, ["BD", "BF"])
 _hedgehog_bwd = _tuned(_hedgehog_bwd_kernel, ["BD", "BF"])
-_HEDGEHOG_ROWS = 32
+HEDGEHOG_MAX_FEATURES = 256
+PERFORMER_MAX_FEATURES = 8192  # also the Performer tile, [rows, M] elements: a row always fits
+_TILE = 4096  # elements of one [rows, features] Hedgehog tile; the backward keeps about six alive
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _hedgehog_launch(kernel, x: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor) -> None:
     B, H, T, D = x.shape
     F = weight.shape[-1]
-    grid = (triton.cdiv(T, _HEDGEHOG_ROWS), B * H)
-    kernel[grid](
-        x, weight, *tensors, T, H=H, D=D, F=F, BT=_HEDGEHOG_ROWS, BD=_block(D), BF=_block(F, cap=1 << 16),
-        **_dot_config(x.dtype),
+    BF = _block(F, cap=HEDGEHOG_MAX_FEATURES)
+    BT = min(32, _TILE // BF)
+    kernel[(triton.cdiv(T, BT), B * H)](
+        x, weight, *tensors, T, H=H, D=D, F=F, BT=BT, BD=_block(D), BF=BF,
+        **_dot_config(torch.promote_types(x.dtype, weight.dtype)),
     )
 
 
 class _Hedgehog(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):
+    def forward(ctx, x, weight, bias):
         B, H, T, _ = x.shape
-        out = torch.empty(B, H, T, 2 * weight.shape[-1], device=x.device, dtype=out_dtype)
+        out = torch.empty(B, H, T, 2 * weight.shape[-1], device=x.device, dtype=x.dtype)
         _hedgehog_launch(_hedgehog_fwd, x, weight, bias, out)
         ctx.save_for_backward(x, weight, bias)
         return out
@@ -146,16 +163,33 @@ class _Hedgehog(torch.autograd.Function):
         dx = torch.empty_like(x)
         dz = torch.empty(B, H, T, weight.shape[-1], device=x.device, dtype=torch.float32)
         _hedgehog_launch(_hedgehog_bwd, x, weight, bias, dout.contiguous(), dx, dz)
-        dweight = torch.einsum("bhtd,bhtf->hdf", x.to(torch.float32), dz).to(weight.dtype)
-        return dx, dweight, dz.sum((0, 2)).to(bias.dtype), None
+        with torch.autocast(x.device.type, enabled=False):  # a backward run under autocast must not drop dW to bf16
+            dweight = torch.einsum("bhtd,bhtf->hdf", x.to(torch.float32), dz)
+        return dx, dweight.to(weight.dtype), dz.sum((0, 2)).to(bias.dtype)
+
+
+def hedgehog_fusable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
+    """The kernel takes F <= HEDGEHOG_MAX_FEATURES, fp32/bf16/fp16, and exactly weight [H, D, F], bias [H, F]."""
+    if x.dim() != 4:
+        return False
+    H, D, F = x.shape[1], x.shape[3], weight.shape[-1]
+    return (
+        F <= HEDGEHOG_MAX_FEATURES
+        and weight.shape == (H, D, F)
+        and bias.shape == (H, F)
+        and all(t.dtype in _KERNEL_DTYPES for t in (x, weight, bias))
+    )
 
 
 def hedgehog_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Fused `feature_maps.hedgehog`: x [B, H, T, D], weight [H, D, F], bias [H, F] -> [B, H, T, 2F]."""
-    if weight.dtype != x.dtype:
-        raise ValueError(f"hedgehog: x is {x.dtype} but weight is {weight.dtype} (einsum needs one dtype)")
-    out_dtype = torch.promote_types(x.dtype, bias.dtype)
-    return _Hedgehog.apply(x.contiguous(), weight.contiguous(), bias.contiguous(), out_dtype)
+    """Fused `feature_maps.hedgehog`: x [B, H, T, D], weight [H, D, F], bias [H, F] -> [B, H, T, 2F] in x's dtype."""
+    if not hedgehog_fusable(x, weight, bias):
+        raise ValueError(
+            f"hedgehog_triton: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
+            f"bias {tuple(bias.shape)} {bias.dtype} are past the kernel (F <= {HEDGEHOG_MAX_FEATURES}); "
+            "use feature_maps.hedgehog"
+        )
+    return _Hedgehog.apply(x.contiguous(), weight.contiguous(), bias.contiguous())
 
 
 class _Performer(torch.autograd.Function):
@@ -165,31 +199,47 @@ class _Performer(torch.autograd.Function):
         R = logits.numel() // M
         out = torch.empty_like(logits)
         BM = triton.next_power_of_2(M)
-        BR = max(1, min(64, 8192 // BM))
+        BR = min(64, PERFORMER_MAX_FEATURES // BM)
         _performer_kernel[(triton.cdiv(R, BR),)](
             logits, logits if stabilizer is None else stabilizer, out, R, 1.0 / math.sqrt(M),
             M=M, BR=BR, BM=BM, HAS_STAB=stabilizer is not None,
         )
         ctx.save_for_backward(out)
-        ctx.has_stab = stabilizer is not None
+        ctx.stab_dtype = None if stabilizer is None else stabilizer.dtype
         return out
 
     @staticmethod
     def backward(ctx, dout):
         (out,) = ctx.saved_tensors
         dlogits = dout * out
-        return dlogits, -dlogits.sum(-1).reshape(-1) if ctx.has_stab else None
+        if ctx.stab_dtype is None:
+            return dlogits, None
+        return dlogits, -dlogits.sum(-1, dtype=torch.float32).reshape(-1).to(ctx.stab_dtype)
 
 
 def performer_fusable(logits: torch.Tensor, stabilizer: torch.Tensor | None) -> bool:
-    """The kernel handles the per-row max, or one stabilizer value per row (last dim 1)."""
+    """The kernel takes M <= PERFORMER_MAX_FEATURES, fp32/bf16/fp16, and the per-row max or one stabilizer per row."""
+    if logits.shape[-1] > PERFORMER_MAX_FEATURES or logits.dtype not in _KERNEL_DTYPES:
+        return False
     if stabilizer is None:
         return True
-    return stabilizer.dim() <= logits.dim() and stabilizer.shape[-1:] in (torch.Size([1]), torch.Size([]))
+    return (
+        stabilizer.dtype in _KERNEL_DTYPES
+        and stabilizer.dim() <= logits.dim()
+        and stabilizer.shape[-1:] in (torch.Size([1]), torch.Size([]))
+    )
 
 
 def performer_triton(logits: torch.Tensor, stabilizer: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused `feature_maps.performer`: exp(logits - stabilizer) / sqrt(M), stabilizer the detached row max by default."""
+    """Fused `feature_maps.performer`: exp(logits - stabilizer) / sqrt(M) in the logits' dtype.
+
+    The stabilizer defaults to the detached row max.
+    """
+    if not performer_fusable(logits, stabilizer):
+        raise ValueError(
+            f"performer_triton: logits {tuple(logits.shape)} {logits.dtype} with this stabilizer are past the kernel "
+            f"(M <= {PERFORMER_MAX_FEATURES}, one stabilizer per row); use feature_maps.performer"
+        )
     logits = logits.contiguous()
     if stabilizer is None:
         return _Performer.apply(logits, None)
