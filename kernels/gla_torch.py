@@ -68,21 +68,41 @@ def gla_recurrent(
     g: torch.Tensor | None = None,
     scale: float = 1.0,
     initial_state: torch.Tensor | None = None,
+    inplace: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token recurrence: O(1) memory per step, used for decoding a few tokens."""
+    """Token-by-token recurrence: O(1) memory per step, used for decoding a few tokens.
+
+    With `inplace`, no gradient to track and an `initial_state` already in the accumulator dtype and
+    contiguous, that tensor is updated and returned, as the Triton step does on CUDA: a cache keeps
+    its buffer and a decoding step allocates no new state.
+    """
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
     acc = _accumulator(q.dtype)
-    state = q.new_zeros(B, H, K, V, dtype=acc) if initial_state is None else initial_state.to(acc)
-    qg, k, v = _group(q, H).to(acc) * scale, k.to(acc), v.to(acc)
+    tracked = (q, k, v, g, initial_state)
+    grads = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tracked)
+    if initial_state is None:
+        state = q.new_zeros(B, H, K, V, dtype=acc)
+    elif inplace and not grads and initial_state.dtype == acc and initial_state.is_contiguous():
+        state = initial_state
+    else:
+        state = initial_state.to(acc, copy=True)
+    qg, k, v = _group(q, H).to(acc), k.to(acc), v.to(acc)
+    qg = qg if scale == 1.0 else qg * scale
+    decay = None if g is None else g.to(acc).exp().unsqueeze(-1)
     outs = []
     for t in range(T):
-        if g is not None:
-            state = g[:, :, t].to(acc).exp().unsqueeze(-1) * state
-        state = state + k[:, :, t].unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
-        outs.append(qg[:, :, :, t : t + 1] @ state.unsqueeze(2))
-    o = torch.cat(outs, dim=3).reshape(B, HQ, T, V)
-    return o.to(q.dtype), state
+        if grads:
+            state = state if decay is None else decay[:, :, t] * state
+            state = state + k[:, :, t].unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
+        else:
+            if decay is not None:
+                state.mul_(decay[:, :, t])
+            flat = state.view(B * H, K, V)
+            flat.baddbmm_(k[:, :, t].reshape(B * H, K, 1), v[:, :, t].reshape(B * H, 1, V))
+        outs.append(qg[:, :, :, t] @ state)  # [B, H, G, V]: a group's queries are the rows of one matmul
+    o = outs[0].unsqueeze(3) if T == 1 else torch.stack(outs, dim=3)
+    return o.reshape(B, HQ, T, V).to(q.dtype), state
 
 
 def gla_chunked(

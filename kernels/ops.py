@@ -38,15 +38,15 @@ def normalize_output(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_backend(device: torch.device) -> str:
-    """`triton` or `torch`, from LINEARIZE_KERNELS or else the device."""
-    forced = os.environ.get("LINEARIZE_KERNELS", "").strip().lower()
-    if forced not in ("", "triton", "torch"):
+    """`triton` or `torch`, from LINEARIZE_KERNELS or else the device (asked by every layer on every step: kept cheap)."""
+    forced = (os.environ.get("LINEARIZE_KERNELS") or "").strip().lower()
+    if not forced:
+        return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
+    if forced not in ("triton", "torch"):
         raise ValueError(f"LINEARIZE_KERNELS={forced!r} is not valid: set it to 'triton' or 'torch', or unset it")
     if forced == "triton" and not HAS_TRITON:
         raise RuntimeError("LINEARIZE_KERNELS=triton but triton is not importable: pip install triton, or unset it")
-    if forced:
-        return forced
-    return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
+    return forced
 
 
 def gated_linear_attention(

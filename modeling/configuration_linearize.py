@@ -49,8 +49,7 @@ STATES = {
     "sink_positions": 3,
     "window_kv": 4,
     "window_valid": 5,
-    "seen": 6,
-    "conv": 7,
+    "conv": 6,
 }
 OWN_FIELDS = ("base_model_type", "layer_types", "base_layer_types", "linear_attention", "linearize_teacher")
 # Fields of a saved config that describe the file, not the base model.

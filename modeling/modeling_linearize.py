@@ -21,6 +21,7 @@ Read top to bottom: the pieces of a linear layer (feature maps, decay gate, loca
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -200,61 +201,95 @@ def key_gate(k: torch.Tensor) -> torch.Tensor:
     return F.logsigmoid(12.0 - norm) / 16.0
 
 
-def shift_into_state(new: torch.Tensor, past: torch.Tensor, window: int) -> torch.Tensor:
-    """What enters the linear state at each new step: step t admits token t - window (dim 2 is time).
+def shift_into_state(x: torch.Tensor, new: int, window: int, dim: int = 2) -> torch.Tensor:
+    """What enters the linear state at each of the `new` last steps of x: step t admits token t - window.
 
-    `past` holds the (at most `window`) tokens before the new ones, oldest first; steps that admit
-    nothing get zeros.
+    x holds the (at most `window`) tokens before the new ones, oldest first, then the new ones, along
+    `dim`; steps that admit nothing get zeros. With a full window of past tokens this is a slice.
     """
-    front = new.new_zeros(*new.shape[:2], window - past.shape[2], *new.shape[3:])
-    return torch.cat([front, past, new], dim=2)[:, :, : new.shape[2]]
+    missing = window - (x.shape[dim] - new)
+    if missing > 0:
+        x = torch.cat([x.new_zeros(*x.shape[:dim], missing, *x.shape[dim + 1 :]), x], dim=dim)
+    return x.narrow(dim, 0, new)
+
+
+@functools.lru_cache(maxsize=32)
+def _window_band(queries: int, keys: int, window: int, device: torch.device) -> torch.Tensor:
+    """[queries, keys] bool: the last `queries` of `keys` positions see the `window` keys up to themselves."""
+    query_pos = torch.arange(keys - queries, keys, device=device)[:, None]
+    key_pos = torch.arange(keys, device=device)[None, :]
+    return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
+
+def sink_visibility(sink_positions: torch.Tensor, q_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, 1, 1, T, S]: a query sees a filled sink slot once that token has left its window."""
+    sinks = sink_positions[:, None, None, None, :]
+    return (sinks >= 0) & (sinks <= (q_positions - window).to(sinks.dtype)[:, None])
 
 
 def window_softmax_terms(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor, window: int, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unnormalized softmax over the last `window` keys of each query, in blocks: O(T * window).
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_valid: torch.Tensor,
+    window: int,
+    scaling: float,
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    q_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalized softmax over the last `window` keys of each query and the sinks before it: O(T * window).
 
-    q [B, H, T, D] are the last T of the L keys k, v [B, Hkv, L, D]; key_valid [B, L]. Returns the
-    numerator sum exp(s - c) v [B, H, T, D], the denominator sum exp(s - c) and the row max c.
+    q [B, H, T, D] are the last T of the L keys k, v [B, Hkv, L, D]; key_valid [B, L]; `sinks` as
+    `update_sinks` keeps them, seen by queries at absolute `q_positions` [T]. Returns the terms
+    [B, H, T, D + 1] (sum exp(s - c) v, then sum exp(s - c): the layout of a normalized GLA output)
+    and the row max c [B, H, T, 1].
     """
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     groups = H // Hkv
-    if T <= RECURRENT_MAX_TOKENS:  # decoding: a few queries against at most window + T keys, no blocks
-        query_pos = torch.arange(L - T, L, device=q.device)[:, None]
-        key_pos = torch.arange(L, device=q.device)[None, :]
-        allowed = (key_pos <= query_pos) & (key_pos > query_pos - window) & key_valid[:, None, None, None, :]
-        scores = (q.view(B, Hkv, groups, T, D) @ k.unsqueeze(2).transpose(-1, -2)) * scaling
+    if T <= RECURRENT_MAX_TOKENS:  # decoding: a few queries against at most window + T keys and the sinks, no blocks
+        allowed = _window_band(T, L, window, q.device) & key_valid[:, None, None, None, :]
+        if sinks is not None:
+            k, v = torch.cat([sinks[0], k], dim=2), torch.cat([sinks[1], v], dim=2)
+            allowed = torch.cat([sink_visibility(sinks[2], q_positions, window), allowed], dim=-1)
+        # A group's queries are the rows of one matmul against their KV head: no key copies.
+        scores = (q.reshape(B, Hkv, groups * T, D) @ k.transpose(-1, -2)).view(B, Hkv, groups, T, -1) * scaling
         scores = scores.masked_fill(~allowed, float("-inf"))
         c = scores.amax(-1, keepdim=True).clamp_min(-1e4)
-        weights = (scores - c).exp()
-        num, den = weights @ v.unsqueeze(2), weights.sum(-1, keepdim=True)
-        return num.view(B, H, T, D), den.view(B, H, T, 1), c.view(B, H, T, 1)
+        terms = (scores - c).exp().view(B, Hkv, groups * T, -1) @ with_normalizer(v)
+        return terms.view(B, H, T, D + 1), c.view(B, H, T, 1)
     front = (-L) % window + window  # an empty block in front, so every block has a predecessor
     n = (L + front) // window
-    q = F.pad(q, (0, 0, front + L - T, 0)).view(B, Hkv, groups, n, window, D)
-    k = F.pad(k, (0, 0, front, 0)).view(B, Hkv, n, window, D)
-    v = F.pad(v, (0, 0, front, 0)).view(B, Hkv, n, window, D)
+    q_blocks = F.pad(q, (0, 0, front + L - T, 0)).view(B, Hkv, groups, n, window, D)
+    k_blocks = F.pad(k, (0, 0, front, 0)).view(B, Hkv, n, window, D)
+    v_blocks = F.pad(with_normalizer(v), (0, 0, front, 0)).view(B, Hkv, n, window, D + 1)
     valid = F.pad(key_valid, (front, 0), value=False).view(B, 1, n, window)
 
     def with_previous_block(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x[:, :, :-1], x[:, :, 1:]], dim=3)
 
-    k2, v2, valid2 = with_previous_block(k), with_previous_block(v), with_previous_block(valid)
+    k2, v2, valid2 = with_previous_block(k_blocks), with_previous_block(v_blocks), with_previous_block(valid)
     i = torch.arange(window, device=q.device)[:, None]
     j = torch.arange(2 * window, device=q.device)[None, :]
     allowed = ((j > i) & (j <= i + window)) & valid2.unsqueeze(2).unsqueeze(-2)
-    scores = (q[:, :, :, 1:] @ k2.unsqueeze(2).transpose(-1, -2)) * scaling
+    scores = (q_blocks[:, :, :, 1:] @ k2.unsqueeze(2).transpose(-1, -2)) * scaling
     scores = scores.masked_fill(~allowed, float("-inf"))
     c = scores.amax(-1, keepdim=True).clamp_min(-1e4)
-    weights = (scores - c).exp()
-    num, den = weights @ v2.unsqueeze(2), weights.sum(-1, keepdim=True)
+    terms = (scores - c).exp() @ v2.unsqueeze(2)
 
     def unblock(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(B, H, (n - 1) * window, -1)[:, :, -T:]
 
-    return unblock(num), unblock(den), unblock(c)
+    terms, c = unblock(terms), unblock(c)
+    if sinks is None:
+        return terms, c
+    # The sinks before each query's window join with one shared max.
+    sink_k, sink_v, sink_pos = sinks
+    scores = (q.view(B, Hkv, groups, T, D) @ sink_k.unsqueeze(2).transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~sink_visibility(sink_pos, q_positions, window), float("-inf")).view(B, H, T, -1)
+    c_new = torch.maximum(c, scores.amax(-1, keepdim=True))
+    sink_terms = ((scores - c_new).exp().view(B, Hkv, groups, T, -1) @ with_normalizer(sink_v).unsqueeze(2)).view(B, H, T, D + 1)
+    return terms * (c - c_new).exp() + sink_terms, c_new
 
 
 def update_sinks(
@@ -269,14 +304,13 @@ def update_sinks(
 
     `sinks` is (keys [B, Hkv, S, D], values, positions [B, S] with -1 for an empty slot) or None;
     k, v [B, Hkv, T, D] are new tokens at absolute `positions` [T], `valid` [B, T] marks real ones.
+    Rows whose sinks are full keep them (a new token's slot is past the end and discarded).
     """
     B, Hkv, T, D = k.shape
     if sinks is None:
         sinks = (k.new_zeros(B, Hkv, count, D), v.new_zeros(B, Hkv, count, D), k.new_full((B, count), -1.0))
     sink_k, sink_v, sink_pos = sinks
     filled = (sink_pos >= 0).sum(-1, keepdim=True)
-    if bool((filled == count).all()):  # every row has its sinks already (all of decoding)
-        return sinks
     slot = filled + valid.long().cumsum(-1) - 1  # the sink slot each new real token would take
     slot = torch.where(valid & (slot < count), slot, torch.full_like(slot, count))  # slot `count` discards
     index = slot[:, None, :, None].expand(B, Hkv, T, D)
@@ -287,28 +321,12 @@ def update_sinks(
     return sink_k, sink_v, sink_pos
 
 
-def add_sink_terms(
-    window_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    q: torch.Tensor,
-    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    q_positions: torch.Tensor,
-    window: int,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fold the sink tokens that lie before a query's window into its softmax terms (one shared max)."""
-    num, den, c = window_terms
-    sink_k, sink_v, sink_pos = sinks
-    groups = q.shape[1] // sink_k.shape[1]
-    scores = (q @ sink_k.repeat_interleave(groups, 1).transpose(-1, -2)) * scaling  # [B, H, T, S]
-    visible = (sink_pos[:, None, None, :] >= 0) & (sink_pos[:, None, None, :] <= q_positions[None, None, :, None] - window)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    c_new = torch.maximum(c, scores.amax(-1, keepdim=True))
-    weights = (scores - c_new).exp()
-    rescale = (c - c_new).exp()
-    num = num * rescale + weights @ sink_v.repeat_interleave(groups, 1)
-    den = den * rescale + weights.sum(-1, keepdim=True)
-    return num, den, c_new
+def tokens_seen(layer: LinearAttentionCacheLayerMixin | None) -> int:
+    """Tokens (padding included) a linear layer's cache has taken in: the same for every row.
 
+    A Python int on the cache layer (`linearize_seen`), so positions never need a host sync.
+    """
+    return getattr(layer, "linearize_seen", 0)
 
 
 class LinearAttention(nn.Module):
@@ -520,19 +538,17 @@ class LinearAttention(nn.Module):
         B, T, D = q.shape[0], q.shape[2], self.head_dim
         g = self._decay(hidden_states, k)
         valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding is None else padding[:, -T:].bool()
-        # Tokens (padding included) this layer took in before: kept as a tensor, so decoding never syncs on it.
-        seen = self._state(cache, "seen")
-        start = 0 if seen is None else seen[:1]
+        layer = None if cache is None else cache.layers[self.layer_idx]
+        start = tokens_seen(layer)
         v_feat = v
         if self.conv_size:
             q_feat, k_feat, v_feat = self._convolve(q_feat, k_feat, v, valid, cache)
         # What a token writes into the state: key features, values (convolved), the delta rule's write strength.
         payload = [k_feat, v_feat] + ([self.write_strength(hidden_states)] if self.kind == "deltanet" else [])
         if self.window:
-            positions = torch.arange(T, device=q.device) + start
+            positions = torch.arange(start, start + T, device=q.device)
             extras = [x for x in payload if x is not k and x is not v]  # kept beside k and v until they enter
             window_kv, key_valid = torch.cat([k, v, *extras], dim=-1), valid
-            n_past = 0
             if cache is not None:  # the window's last W tokens (zeros, marked invalid, before any)
                 past_kv = self._state(cache, "window_kv")
                 if past_kv is None:
@@ -540,7 +556,6 @@ class LinearAttention(nn.Module):
                     past_valid = valid.new_zeros(B, self.window)
                 else:
                     past_valid = self._state(cache, "window_valid")
-                n_past = self.window
                 window_kv = torch.cat([past_kv, window_kv], dim=2)
                 key_valid = torch.cat([past_valid, valid], dim=1)
                 self._store(cache, "window_kv", window_kv[:, :, -self.window :])
@@ -548,22 +563,18 @@ class LinearAttention(nn.Module):
             k_all, v_all = window_kv[..., :D], window_kv[..., D : 2 * D]
             extras_all = iter(window_kv[..., 2 * D :].split([x.shape[-1] for x in extras], dim=-1))
             payload = [k_all if x is k else v_all if x is v else next(extras_all) for x in payload]
-            window_terms = window_softmax_terms(q, k_all, v_all, key_valid, self.window, self.scaling)
-            if self.sink:
-                sinks = update_sinks(self._load_sinks(cache), k, v, positions, valid, self.sink)
-                window_terms = add_sink_terms(window_terms, q, sinks, positions, self.window, self.scaling)
-                self._save_sinks(cache, sinks)
-            payload = [shift_into_state(x[:, :, n_past:], x[:, :, :n_past], self.window) for x in payload]
-            key_valid = key_valid[:, None, :, None]
-            valid = shift_into_state(key_valid[:, :, n_past:], key_valid[:, :, :n_past], self.window)[:, 0, :, 0]
-            if self.sink:
+            sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None
+            window_terms = window_softmax_terms(q, k_all, v_all, key_valid, self.window, self.scaling, sinks, positions)
+            payload = [shift_into_state(x, T, self.window) for x in payload]
+            valid = shift_into_state(key_valid, T, self.window, dim=1)
+            last_sink = getattr(layer, "linearize_last_sink", None)
+            if self.sink and (last_sink is None or start - self.window <= last_sink):
                 # Sinks stay in the softmax part for good: they never enter the linear state.
                 entering = (positions - self.window).to(sinks[2].dtype)
                 valid = valid & ~(entering[None, :, None] == sinks[2][:, None, :]).any(-1)
         k_feat, v = payload[:2]
-        if cache is not None:
-            count = torch.full((B,), T, dtype=torch.long, device=q.device)
-            self._store(cache, "seen", count if seen is None else seen + T)
+        if layer is not None:
+            layer.linearize_seen = start + T
         keep = valid[:, None, :, None]
         v = v * keep
         if g is not None:
@@ -599,17 +610,15 @@ class LinearAttention(nn.Module):
             self._store(cache, "stabilizer", stabilizer)
         if not mixed:
             return o
-        num, den = o[..., :-1], o[..., -1:]
-        win_num, win_den, win_max = window_terms
+        win, win_max = window_terms
         if self.map_name == "performer":
             # Put the FAVOR+ estimate on the window's scale: both parts then estimate exp(q.k/sqrt(D) - c).
             key_stab = key_stab.repeat_interleave(self.kv_groups, dim=1)
-            rescale = (q_stab + key_stab - win_max).clamp(max=60.0).exp()
-            num, den = num * rescale, den * rescale
+            mix = o * (q_stab + key_stab - win_max).clamp(max=60.0).exp() + win
         else:
             w = torch.sigmoid(self.window_factor)[None, :, None, None]
-            win_num, win_den, num, den = w * win_num, w * win_den, (1 - w) * num, (1 - w) * den
-        return normalize_output(num + win_num, den + win_den)
+            mix = torch.lerp(o.to(w.dtype), win.to(w.dtype), w)
+        return normalize_output(mix[..., :-1], mix[..., -1:])
 
     def _delta(self, fq, fk, v, beta, g, keep, cache, mode, window_terms):
         """The gated delta rule on L2-normalized features, mixed with the window's softmax by the window factor."""
@@ -621,9 +630,9 @@ class LinearAttention(nn.Module):
         self._store(cache, "memory", state)
         if window_terms is None:
             return o
-        win_num, win_den, _ = window_terms
+        win, _ = window_terms
         w = torch.sigmoid(self.window_factor)[None, :, None, None]
-        return w * normalize_output(win_num, win_den) + (1 - w) * o
+        return torch.lerp(o.to(w.dtype), normalize_output(win[..., :-1], win[..., -1:]).to(w.dtype), w)
 
     def _convolve(self, q_feat, k_feat, v, valid, cache):
         """The short causal convolution over q/k/v features (padding zeroed first, the last steps cached)."""
@@ -662,13 +671,25 @@ class LinearAttention(nn.Module):
         if cache is not None:
             cache.update_recurrent_state(value, self.layer_idx, state_idx=STATES[name])
 
-    def _load_sinks(self, cache: Cache | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        kv, positions = self._state(cache, "sink_kv"), self._state(cache, "sink_positions")
-        return None if kv is None else (kv[..., : self.head_dim], kv[..., self.head_dim :], positions)
+    def _update_sinks(self, cache: Cache | None, k, v, positions, valid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sinks after these tokens. Once every row's are full they stay as cached, with no work.
 
-    def _save_sinks(self, cache: Cache | None, sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        self._store(cache, "sink_kv", torch.cat(sinks[:2], dim=-1))
-        self._store(cache, "sink_positions", sinks[2])
+        The cache layer then records the last sink's position (`linearize_last_sink`, a Python int
+        read from the tensors while they fill: a host sync only then), so a decoding step neither
+        waits on the device for it nor checks later tokens against the sinks.
+        """
+        layer = None if cache is None else cache.layers[self.layer_idx]
+        kv, positions_kept = self._state(cache, "sink_kv"), self._state(cache, "sink_positions")
+        sinks = None if kv is None else (kv[..., : self.head_dim], kv[..., self.head_dim :], positions_kept)
+        if sinks is not None and getattr(layer, "linearize_last_sink", None) is not None:
+            return sinks
+        sinks = update_sinks(sinks, k, v, positions, valid, self.sink)
+        if layer is not None:
+            self._store(cache, "sink_kv", torch.cat(sinks[:2], dim=-1))
+            self._store(cache, "sink_positions", sinks[2])
+            if bool((sinks[2] >= 0).all()):
+                layer.linearize_last_sink = int(sinks[2].max())
+        return sinks
 
 
 _LINEAR_CLASSES: dict[type, type] = {}
@@ -783,8 +804,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             embeds = inputs_embeds if inputs_embeds is not None else input_ids
             B, T = embeds.shape[:2]
             if position_ids is None:
-                seen = cache.layers[0].recurrent_states[STATES["seen"]]
-                start = int(seen[0]) if cache.layers[0].is_recurrent_states_initialized[STATES["seen"]] else 0
+                start = tokens_seen(cache.layers[0])
                 position_ids = torch.arange(start, start + T, device=embeds.device)[None]
             attention_mask = torch.ones(B, 1, T, 1, dtype=torch.bool, device=embeds.device)
         return_dict = kwargs.pop("return_dict", None)

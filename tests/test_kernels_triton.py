@@ -114,25 +114,28 @@ RECURRENT_CASES = {
 
 @pytest.mark.parametrize("case", RECURRENT_CASES.values(), ids=RECURRENT_CASES.keys())
 def test_fused_recurrent_matches_recurrence_in_place(case: tuple) -> None:
+    """The Triton step and the PyTorch recurrence agree, and both update an fp32 state in place (CPU = CUDA)."""
     inputs = make_inputs(*case)
     q, k, v, g, h0 = (None if x is None else x.detach() for x in inputs.values())
-    want_o, want_h = gla_recurrent(q, k, v, g, 0.7, h0)
-    state = None if h0 is None else h0.clone()
-    with torch.no_grad():
-        o, h = fused_recurrent_gla_triton(q, k, v, g, 0.7, state)
-    torch.testing.assert_close(o, want_o, **TOL)
-    torch.testing.assert_close(h, want_h, **TOL)
-    if state is not None:
-        assert h is state, "an fp32 contiguous state is updated in place"
+    want_o, want_h = gla_recurrent(q, k, v, g, 0.7, h0, inplace=False)
+    for step in (gla_recurrent, fused_recurrent_gla_triton):
+        state = None if h0 is None else h0.clone()
+        with torch.no_grad():
+            o, h = step(q, k, v, g, 0.7, state)
+        torch.testing.assert_close(o, want_o, **TOL)
+        torch.testing.assert_close(h, want_h, **TOL)
+        if state is not None:
+            assert h is state, f"{step.__name__}: an fp32 contiguous state is updated in place"
 
 
 def test_fused_recurrent_out_of_place_and_half_state() -> None:
     inputs = make_inputs(1, 2, 1, 2, 16, 16, decay=True, state=True)
     q, k, v, g, h0 = (x.detach() for x in inputs.values())
-    want_o, want_h = gla_recurrent(q, k, v, g, 0.7, h0)
+    want_o, want_h = gla_recurrent(q, k, v, g, 0.7, h0, inplace=False)
     kept = h0.clone()
     with torch.no_grad():
         o, h = fused_recurrent_gla_triton(q, k, v, g, 0.7, h0, inplace=False)
+        gla_recurrent(q, k, v, g, 0.7, h0, inplace=False)
         o16, h16 = fused_recurrent_gla_triton(q, k, v, g, 0.7, h0.to(torch.bfloat16))
     torch.testing.assert_close(h0, kept, rtol=0, atol=0)
     torch.testing.assert_close(o, want_o, **TOL)
