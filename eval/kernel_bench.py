@@ -130,6 +130,29 @@ def _forward_backward(run: Callable[[dict, int], torch.Tensor], x: dict, D: int,
     return step
 
 
+def prefill_rows(
+    methods: dict[str, tuple[Callable[[dict, int], torch.Tensor], tuple[str, ...]]],
+    x: dict,
+    T: int,
+    D: int,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    backward: bool = True,
+) -> list[PrefillRow]:
+    """One row per method on the same inputs: forward in inference mode, then forward + backward.
+
+    `methods` maps a name to (run(x, D) -> output, the names in x it differentiates).
+    """
+    with torch.inference_mode():
+        fwd = time_calls({name: partial(run, x, D) for name, (run, _) in methods.items()}, device, warmup, repeats)
+    fwd_bwd: dict[str, float | None] = dict.fromkeys(methods)
+    if backward:
+        steps = {name: _forward_backward(run, x, D, names) for name, (run, names) in methods.items()}
+        fwd_bwd.update(time_calls(steps, device, warmup, repeats))
+    return [PrefillRow(T, D, name, fwd[name], fwd_bwd[name]) for name in methods]
+
+
 def bench_prefill(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[PrefillRow]:
     methods: dict[str, tuple[Callable, tuple[str, ...]]] = {
         f"gla-chunk/{kernel_backend(device)}": (_gla, ("q", "k", "v", "g")),
@@ -144,15 +167,7 @@ def bench_prefill(args: argparse.Namespace, device: torch.device, dtype: torch.d
             x = _inputs(args, T, D, device, dtype)
             if fla is not None:
                 _add_fla_layout(x)
-            with torch.inference_mode():
-                fwd = time_calls(
-                    {name: partial(run, x, D) for name, (run, _) in methods.items()}, device, args.warmup, args.repeats
-                )
-            fwd_bwd: dict[str, float | None] = dict.fromkeys(methods)
-            if not args.no_backward:
-                steps = {name: _forward_backward(run, x, D, names) for name, (run, names) in methods.items()}
-                fwd_bwd.update(time_calls(steps, device, args.warmup, args.repeats))
-            rows.extend(PrefillRow(T, D, name, fwd[name], fwd_bwd[name]) for name in methods)
+            rows.extend(prefill_rows(methods, x, T, D, device, args.warmup, args.repeats, not args.no_backward))
             del x
     return rows
 
@@ -216,13 +231,8 @@ def _render(rows: list[PrefillRow], decode: list[DecodeRow], header: str) -> Non
         console.print(table)
 
 
-def _plot(rows: list[PrefillRow], decode: list[DecodeRow], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3 if decode else 2, figsize=(16 if decode else 11, 4.5))
+def plot_timings(axes, rows: list[PrefillRow], decode: list[DecodeRow]) -> None:
+    """Prefill time against T on axes[0] (forward) and axes[1] (forward + backward), the decode step on axes[2]."""
     for ax, field, label in ((axes[0], "forward_ms", "forward"), (axes[1], "forward_backward_ms", "forward + backward")):
         for method in dict.fromkeys(r.method for r in rows):
             for D in dict.fromkeys(r.head_dim for r in rows):
@@ -239,6 +249,16 @@ def _plot(rows: list[PrefillRow], decode: list[DecodeRow], path: Path, title: st
             axes[2].plot(*zip(*pts), marker="o", label=method)
         axes[2].set(xscale="log", yscale="log", xlabel="context T", ylabel="ms per token", title="decode step")
         axes[2].legend(fontsize=7)
+
+
+def _plot(rows: list[PrefillRow], decode: list[DecodeRow], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3 if decode else 2, figsize=(16 if decode else 11, 4.5))
+    plot_timings(axes, rows, decode)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,0 +1,75 @@
+"""`python -m linearize.kernels.gpu_check`: its `--quick` version (Triton's interpreter, CPU) runs end to end and passes.
+
+The full check needs a CUDA device; here only its refusal without one is tested.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+SECTIONS = {
+    "setup", "passed", "failures", "compile", "correctness", "prefill", "decode", "conversion", "goals", "seconds", "files",
+}  # fmt: skip
+CHUNK_TENSORS = {"o", "ht", "dq", "dk", "dv", "dg", "dh0"}
+
+
+def run_gpu_check(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "linearize.kernels.gpu_check", *args],
+        check=False,
+        cwd=cwd,
+        env={**env, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_quick_check_passes_and_writes_its_report(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    out = tmp_path / "gpu_check"
+    proc = run_gpu_check(["--quick", "--out", str(out)], tmp_path, cli_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PASSED" in proc.stdout
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert SECTIONS <= set(report)
+    assert report["passed"] and not report["failures"]
+    assert report["setup"]["mode"] == "quick"
+
+    checks = report["correctness"]
+    assert {(c["kernel"], c["dtype"]) for c in checks} == {(k, d) for k in ("chunk", "recurrent") for d in ("fp32", "bf16")}
+    assert {c["gate"] for c in checks if c["kernel"] == "chunk"} == {"channel", "head"}
+    assert all(c["passed"] and c["error"] is None for c in checks)
+    assert all(set(c["errors"]) == CHUNK_TENSORS for c in checks if c["kernel"] == "chunk")
+    assert all(e < 1e-4 for c in checks if c["dtype"] == "fp32" for e in c["errors"].values())
+    assert set(report["compile"]) == {"fp32", "bf16"}
+
+    assert {r["method"] for r in report["prefill"]} == {"gla-chunk/triton", "sdpa-causal"}
+    assert all(r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 for r in report["prefill"])
+    assert {r["method"] for r in report["decode"]} == {"gla-recurrent/triton", "sdpa-kv-cache"}
+
+    conversion = report["conversion"]
+    assert conversion["finite"] and conversion["error"] is None
+    assert set(conversion["stages"]) == {"transfer", "finetune"}
+    assert all(stage["steps"] >= 1 for stage in conversion["stages"].values())
+
+    goals = {g["goal"]: g for g in report["goals"]}
+    assert set(goals) == {"vs fla", "vs sdpa", "bf16 dg"}
+    assert goals["vs fla"]["status"].startswith("not measured") and goals["vs sdpa"]["status"].startswith("not measured")
+    assert goals["bf16 dg"]["status"] in ("pass", "fail") and goals["bf16 dg"]["value"] is not None
+    assert (out / "gpu_check.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_full_check_without_cuda_names_the_fix(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    proc = run_gpu_check(["--out", str(tmp_path)], tmp_path, cli_env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "gpu_check: error: no CUDA device: run on a CUDA machine, or pass --quick"
+    assert not list(tmp_path.iterdir())
