@@ -11,10 +11,18 @@ exponential the kernels take is of a non-positive number, so nothing overflows w
 - on the diagonal 16x16 blocks the exponent gc_i - gc_j is formed per pair, masked before exp.
 Unlike the PyTorch chunked form this needs no MIN_LOG_DECAY precondition.
 
-Matmul operands are bf16 when the inputs are bf16 (tensor cores, fp32 accumulation), fp32
+Precision: matmul operands are bf16 when the inputs are bf16 (tensor cores, fp32 accumulation), fp32
 otherwise: tf32 for fp16 inputs or when torch.set_float32_matmul_precision allows it, exact fp32
-else. Under TRITON_INTERPRET=1 everything runs on CPU tensors with fixed launch configurations; on
-CUDA the heavier kernels autotune num_warps / num_stages.
+else. Three dots keep fp32 operands whatever the inputs, as fla does, because dg cancels heavily
+in their sums: the in-chunk scores across sub-chunks, the in-chunk dq/dk, and A^T do in dv.
+
+One decay per head (g [B, H, T, 1]: RetNet, the key gate, Performer's stabilizer) is read once per
+token (channel stride 0), and its in-chunk scores are one masked dot per chunk, forward and backward.
+
+Launches: under TRITON_INTERPRET=1 everything runs on CPU tensors with fixed tiles; on CUDA the
+kernels autotune BK/BV, num_warps and num_stages, and run under the inputs' device guard, so a
+layer on cuda:1 works while cuda:0 is current. States (per-chunk and final) are fp32 or, on
+request, bf16 (`state_dtype`); every sum accumulates in fp32.
 
 The log-decay gradient needs no sequence-long cumulative sum: dg_t is the sum over r >= t within
 the chunk of dL/dgc_r, and per key channel dL/dgc_r = sum_group q_r dq_r - k_r dk_r, plus, at the
@@ -23,6 +31,8 @@ chunk's last token, the state leaving it: rowsum(h_{n+1} * dh_{n+1}).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 
 import torch
@@ -42,11 +52,19 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def _tuned(kernel, key: list[str]):
-    """Autotune launch parameters on real hardware only: the interpreter has no driver to time with."""
+TILES = (32, 64, 128)  # the BK / BV tiles the autotuner tries
+
+
+def _tuned(kernel, key: list[str], tiles: tuple[str, ...] = ()):
+    """Autotune num_warps, num_stages and the named tiles (BK, BV) on real hardware only.
+
+    The interpreter has no driver to time with: there the launch passes fixed tiles (`_launch`).
+    Tuned kernels only store their outputs, never read them, so the timing reruns are harmless.
+    """
     if _interpreting():
         return kernel
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (1, 2, 3)]
+    sizes = [dict(zip(tiles, combo)) for combo in itertools.product(TILES, repeat=len(tiles))]
+    configs = [triton.Config(size, num_warps=w, num_stages=s) for size in sizes for w in (2, 4, 8) for s in (1, 2)]
     return triton.autotune(configs=configs, key=key)(kernel)
 
 
@@ -77,7 +95,7 @@ def _chunk_cumsum_kernel(g, gc, T, K: tl.constexpr, BT: tl.constexpr, BK: tl.con
 def _fwd_state_kernel(
     k, v, gc, h0, hbuf, ht, T, N, NH, s_ht,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, HAS_H0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr, HAS_H0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Scan over chunks: store the state entering each chunk (hbuf[n]) and the final state (ht)."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -91,7 +109,7 @@ def _fwd_state_kernel(
     if HAS_H0:
         h += tl.load(h0 + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
     for n in range(N):
-        tl.store(hbuf + (bh * NH + n) * K * V + kv_offs, h, mask=m_kv)
+        tl.store(hbuf + (bh * NH + n) * K * V + kv_offs, h.to(hbuf.dtype.element_ty), mask=m_kv)
         rows = n * BT + tl.arange(0, BT)
         m_t = rows < T
         b_k = tl.load(k + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -99,19 +117,21 @@ def _fwd_state_kernel(
         b_k = b_k.to(tl.float32)
         if USE_G:
             last = tl.minimum(n * BT + BT, T) - 1
-            g_last = tl.load(gc + bh * T * K + last * K + ck, mask=m_k, other=0.0)
-            b_g = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            g_last = tl.load(gc + bh * T * GK + last * GK + ck * GS, mask=m_k, other=0.0)
+            b_g = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_t[:, None] & m_k[None, :], other=0.0)
             h *= tl.exp(g_last)[:, None]
             b_k *= tl.exp(g_last[None, :] - b_g)
         h = tl.dot(tl.trans(b_k.to(DT)), b_v.to(DT), h, input_precision=PREC)
-    tl.store(ht + bh * s_ht + kv_offs, h, mask=m_kv)
+    tl.store(ht + bh * s_ht + kv_offs, h.to(ht.dtype.element_ty), mask=m_kv)
 
 
 @triton.jit
 def _intra_scores_kernel(
     q, k, gc, A, scale, T,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, NC: tl.constexpr, USE_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, NC: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+    PREC32: tl.constexpr,
 ):
     """One BC x BC block of the causal in-chunk score matrix A[i, j] = scale q_i.(k_j exp(gc_i - gc_j))."""
     i_n, i_c, i_bhq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -134,12 +154,12 @@ def _intra_scores_kernel(
             b_k = tl.load(k + bh * T * K + cols[:, None] * K + ck[None, :], mask=m_c[:, None] & m_k[None, :], other=0.0)
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
             if USE_G:
-                g_ref = tl.load(gc + bh * T * K + row0 * K + ck, mask=m_k, other=0.0)
-                g_q = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
-                g_k = tl.load(gc + bh * T * K + cols[:, None] * K + ck[None, :], mask=m_c[:, None] & m_k[None, :], other=0.0)
+                g_ref = tl.load(gc + bh * T * GK + row0 * GK + ck * GS, mask=m_k, other=0.0)
+                g_q = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_r[:, None] & m_k[None, :], other=0.0)
+                g_k = tl.load(gc + bh * T * GK + cols[:, None] * GK + ck[None, :] * GS, mask=m_c[:, None] & m_k[None, :], other=0.0)
                 b_q *= _masked_exp(g_q - g_ref[None, :], m_r[:, None])
                 b_k *= tl.exp(g_ref[None, :] - g_k)
-            acc = tl.dot(b_q.to(DT), tl.trans(b_k.to(DT)), acc, input_precision=PREC)
+            acc = tl.dot(b_q, tl.trans(b_k), acc, input_precision=PREC32)
     elif i_i == i_j:
         for i_k in range(tl.cdiv(K, BK)):
             ck = i_k * BK + tl.arange(0, BK)
@@ -147,13 +167,13 @@ def _intra_scores_kernel(
             b_q = tl.load(q + bhq * T * K + rows[:, None] * K + ck[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
             b_q = b_q.to(tl.float32)
             if USE_G:
-                g_q = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+                g_q = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_r[:, None] & m_k[None, :], other=0.0)
             for c in range(BC):
                 key = col0 + c
                 b_kr = tl.load(k + bh * T * K + key * K + ck, mask=_and_scalar(m_k, key < T), other=0.0).to(tl.float32)
                 sel = (loc >= c) & m_r
                 if USE_G:
-                    g_kr = tl.load(gc + bh * T * K + key * K + ck, mask=_and_scalar(m_k, key < T), other=0.0)
+                    g_kr = tl.load(gc + bh * T * GK + key * GK + ck * GS, mask=_and_scalar(m_k, key < T), other=0.0)
                     w = _masked_exp(g_q - g_kr[None, :], sel[:, None])
                     s = tl.sum(b_q * b_kr[None, :] * w, axis=1)
                 else:
@@ -166,7 +186,8 @@ def _intra_scores_kernel(
 def _fwd_output_kernel(
     q, v, gc, hbuf, A, o, scale, T, NH,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """o = scale (q * exp(gc)) @ h_n  +  A @ v, per chunk and value block."""
     i_v, i_n, i_bhq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -182,7 +203,7 @@ def _fwd_output_kernel(
         b_q = tl.load(q + bhq * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_q = b_q.to(tl.float32)
         if USE_G:
-            b_g = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_g = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_t[:, None] & m_k[None, :], other=0.0)
             b_q *= tl.exp(b_g)
         b_h = tl.load(hbuf + (bh * NH + i_n) * K * V + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         acc = tl.dot(b_q.to(DT), b_h.to(DT), acc, input_precision=PREC)
@@ -198,7 +219,8 @@ def _fwd_output_kernel(
 def _bwd_dstate_kernel(
     q, do, gc, dht, dh0, dhbuf, scale, T, N,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
+    HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Reverse scan: dhbuf[n] = dL/dh_{n+1} (the state leaving chunk n), dh0 = dL/dh_0."""
@@ -220,8 +242,8 @@ def _bwd_dstate_kernel(
         m_t = rows < T
         if USE_G:
             last = tl.minimum(n * BT + BT, T) - 1
-            g_last = tl.load(gc + bh * T * K + last * K + ck, mask=m_k, other=0.0)
-            b_g = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            g_last = tl.load(gc + bh * T * GK + last * GK + ck * GS, mask=m_k, other=0.0)
+            b_g = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_t[:, None] & m_k[None, :], other=0.0)
             dh *= tl.exp(g_last)[:, None]
         for i_g in range(G):
             hq = b * H * G + h * G + i_g
@@ -263,7 +285,9 @@ def _bwd_dscores_kernel(
 def _bwd_dv_kernel(
     k, gc, A, do, dhbuf, dv, T, N,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+    PREC32: tl.constexpr,
 ):
     """dv = (k * exp(gc_last - gc)) @ dh_{n+1}  +  sum over the query group of A^T @ do."""
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -281,8 +305,8 @@ def _bwd_dv_kernel(
         b_k = b_k.to(tl.float32)
         if USE_G:
             last = tl.minimum(i_n * BT + BT, T) - 1
-            g_last = tl.load(gc + bh * T * K + last * K + ck, mask=m_k, other=0.0)
-            b_g = tl.load(gc + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            g_last = tl.load(gc + bh * T * GK + last * GK + ck * GS, mask=m_k, other=0.0)
+            b_g = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_t[:, None] & m_k[None, :], other=0.0)
             b_k *= tl.exp(g_last[None, :] - b_g)
         b_dh = tl.load(dhbuf + (bh * N + i_n) * K * V + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         acc = tl.dot(b_k.to(DT), b_dh.to(DT), acc, input_precision=PREC)
@@ -290,7 +314,7 @@ def _bwd_dv_kernel(
         hq = b * H * G + h * G + i_g
         b_a = tl.load(A + hq * T * BT + rows[:, None] * BT + loc[None, :], mask=m_t[:, None], other=0.0)
         b_do = tl.load(do + hq * T * V + rows[:, None] * V + cv[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        acc = tl.dot(tl.trans(b_a.to(DT)), b_do.to(DT), acc, input_precision=PREC)
+        acc = tl.dot(tl.trans(b_a), b_do.to(tl.float32), acc, input_precision=PREC32)
     tl.store(dv + bh * T * V + rows[:, None] * V + cv[None, :], acc.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
@@ -298,7 +322,9 @@ def _bwd_dv_kernel(
 def _bwd_intra_kernel(
     q, k, gc, dA, dqi, dki, scale, T,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, NC: tl.constexpr, USE_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, NC: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+    PREC32: tl.constexpr,
 ):
     """In-chunk parts of dq (per query head) and dk (summed over the group) for one 16-row sub-chunk."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -316,9 +342,9 @@ def _bwd_intra_kernel(
     m_rk = m_r[:, None] & m_k[None, :]
     kbase = bh * T * K
     if USE_G:
-        g_i = tl.load(gc + kbase + rows[:, None] * K + ck[None, :], mask=m_rk, other=0.0)
-        g_first = tl.load(gc + kbase + row0 * K + ck, mask=m_k, other=0.0)
-        g_lastrow = tl.load(gc + kbase + (tl.minimum(row0 + BC, T) - 1) * K + ck, mask=m_k, other=0.0)
+        g_i = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_rk, other=0.0)
+        g_first = tl.load(gc + bh * T * GK + row0 * GK + ck * GS, mask=m_k, other=0.0)
+        g_lastrow = tl.load(gc + bh * T * GK + (tl.minimum(row0 + BC, T) - 1) * GK + ck * GS, mask=m_k, other=0.0)
     dk = tl.zeros([BC, BK], dtype=tl.float32)
     dk_later = tl.zeros([BC, BK], dtype=tl.float32)
     for i_g in range(G):
@@ -331,10 +357,10 @@ def _bwd_intra_kernel(
             krows = i_n * BT + j * BC + loc
             b_k = tl.load(k + kbase + krows[:, None] * K + ck[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
             if USE_G:
-                g_k = tl.load(gc + kbase + krows[:, None] * K + ck[None, :], mask=m_k[None, :], other=0.0)
+                g_k = tl.load(gc + bh * T * GK + krows[:, None] * GK + ck[None, :] * GS, mask=m_k[None, :], other=0.0)
                 b_k *= tl.exp(g_first[None, :] - g_k)
             b_da = tl.load(dA + abase + rows[:, None] * BT + (j * BC + loc)[None, :], mask=m_r[:, None], other=0.0)
-            dq = tl.dot(b_da.to(DT), b_k.to(DT), dq, input_precision=PREC)
+            dq = tl.dot(b_da, b_k, dq, input_precision=PREC32)
         if USE_G:
             dq *= _masked_exp(g_i - g_first[None, :], m_r[:, None])
         # dq from the diagonal block, pair by pair.
@@ -345,7 +371,7 @@ def _bwd_intra_kernel(
             b_kr = tl.load(k + kbase + key * K + ck, mask=_and_scalar(m_k, m_key), other=0.0).to(tl.float32)
             sel = (loc >= c) & m_r
             if USE_G:
-                g_kr = tl.load(gc + kbase + key * K + ck, mask=_and_scalar(m_k, m_key), other=0.0)
+                g_kr = tl.load(gc + bh * T * GK + key * GK + ck * GS, mask=_and_scalar(m_k, m_key), other=0.0)
                 dq += b_dac[:, None] * b_kr[None, :] * _masked_exp(g_i - g_kr[None, :], sel[:, None])
             else:
                 dq += tl.where(sel[:, None], b_dac[:, None] * b_kr[None, :], 0.0)
@@ -357,10 +383,10 @@ def _bwd_intra_kernel(
             b_q = tl.load(q + qbase + qrows[:, None] * K + ck[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
             b_q = b_q.to(tl.float32)
             if USE_G:
-                g_q = tl.load(gc + kbase + qrows[:, None] * K + ck[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
+                g_q = tl.load(gc + bh * T * GK + qrows[:, None] * GK + ck[None, :] * GS, mask=m_q[:, None] & m_k[None, :], other=0.0)
                 b_q *= _masked_exp(g_q - g_lastrow[None, :], m_q[:, None])
             b_da = tl.load(dA + abase + qrows[:, None] * BT + (i_i * BC + loc)[None, :], mask=m_q[:, None], other=0.0)
-            dk_later = tl.dot(tl.trans(b_da.to(DT)), b_q.to(DT), dk_later, input_precision=PREC)
+            dk_later = tl.dot(tl.trans(b_da), b_q, dk_later, input_precision=PREC32)
         # dk from the diagonal block.
         for c in range(BC):
             qrow = row0 + c
@@ -369,7 +395,7 @@ def _bwd_intra_kernel(
             b_qr = tl.load(q + qbase + qrow * K + ck, mask=_and_scalar(m_k, m_q), other=0.0).to(tl.float32)
             sel = _and_scalar(loc <= c, m_q)
             if USE_G:
-                g_qr = tl.load(gc + kbase + qrow * K + ck, mask=_and_scalar(m_k, m_q), other=0.0)
+                g_qr = tl.load(gc + bh * T * GK + qrow * GK + ck * GS, mask=_and_scalar(m_k, m_q), other=0.0)
                 dk += b_dar[:, None] * b_qr[None, :] * _masked_exp(g_qr[None, :] - g_i, sel[:, None])
             else:
                 dk += tl.where(sel[:, None], b_dar[:, None] * b_qr[None, :], 0.0)
@@ -382,7 +408,8 @@ def _bwd_intra_kernel(
 def _bwd_inter_kernel(
     q, k, v, gc, hbuf, do, dhbuf, dqi, dki, dq, dk, dg, scale, T, N,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Adds the state paths to dq and dk, and forms dg (see the module docstring)."""
     i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -395,8 +422,8 @@ def _bwd_inter_kernel(
     tk_offs = rows[:, None] * K + ck[None, :]
     b_k = tl.load(k + bh * T * K + tk_offs, mask=m_tk, other=0.0).to(tl.float32)
     if USE_G:
-        b_g = tl.load(gc + bh * T * K + tk_offs, mask=m_tk, other=0.0)
-        g_last = tl.load(gc + bh * T * K + (tl.minimum(i_n * BT + BT, T) - 1) * K + ck, mask=m_k, other=0.0)
+        b_g = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_tk, other=0.0)
+        g_last = tl.load(gc + bh * T * GK + (tl.minimum(i_n * BT + BT, T) - 1) * GK + ck * GS, mask=m_k, other=0.0)
     dk_state = tl.zeros([BT, BK], dtype=tl.float32)
     h_dh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
@@ -408,7 +435,7 @@ def _bwd_inter_kernel(
         b_dh = tl.load(dhbuf + (bh * N + i_n) * K * V + kv_offs, mask=m_kv, other=0.0)
         dk_state = tl.dot(b_v.to(DT), tl.trans(b_dh.to(DT)), dk_state, input_precision=PREC)
         if USE_G:
-            b_hn = tl.load(hbuf + (bh * (N + 1) + i_n + 1) * K * V + kv_offs, mask=m_kv, other=0.0)
+            b_hn = tl.load(hbuf + (bh * (N + 1) + i_n + 1) * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
             h_dh += tl.sum(b_hn * b_dh, axis=1)
     if USE_G:
         dk_state *= tl.exp(g_last[None, :] - b_g)
@@ -441,7 +468,7 @@ def _bwd_inter_kernel(
 def _fused_recurrent_kernel(
     q, k, v, g, h0, o, ht, scale, T,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, HAS_H0: tl.constexpr,
+    USE_G: tl.constexpr, HAS_H0: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
 ):
     """Token-by-token update of one value block of one key/value head's state; ht may alias h0."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -459,7 +486,7 @@ def _fused_recurrent_kernel(
         b_k = tl.load(k + (bh * T + t) * K + ck, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(v + (bh * T + t) * V + cv, mask=m_v, other=0.0).to(tl.float32)
         if USE_G:
-            b_g = tl.load(g + (bh * T + t) * K + ck, mask=m_k, other=0.0).to(tl.float32)
+            b_g = tl.load(g + (bh * T + t) * GK + ck * GS, mask=m_k, other=0.0).to(tl.float32)
             state *= tl.exp(b_g)[:, None]
         state += b_k[:, None] * b_v[None, :]
         for i_g in range(G):
@@ -467,22 +494,91 @@ def _fused_recurrent_kernel(
             b_q = tl.load(q + (hq * T + t) * K + ck, mask=m_k, other=0.0).to(tl.float32) * scale
             b_o = tl.sum(b_q[:, None] * state, axis=0)
             tl.store(o + (hq * T + t) * V + cv, b_o.to(o.dtype.element_ty), mask=m_v)
-    tl.store(ht + bh * K * V + kv_offs, state, mask=m_kv)
+    tl.store(ht + bh * K * V + kv_offs, state.to(ht.dtype.element_ty), mask=m_kv)
 
 
-_fwd_state = _tuned(_fwd_state_kernel, ["BT", "BK", "BV", "USE_G"])
-_intra_scores = _tuned(_intra_scores_kernel, ["BT", "BK", "USE_G"])
-_fwd_output = _tuned(_fwd_output_kernel, ["BT", "BK", "BV", "USE_G"])
-_bwd_dstate = _tuned(_bwd_dstate_kernel, ["BT", "BK", "BV", "G", "USE_G"])
-_bwd_dscores = _tuned(_bwd_dscores_kernel, ["BT", "BV", "G"])
-_bwd_dv = _tuned(_bwd_dv_kernel, ["BT", "BK", "BV", "G", "USE_G"])
-_bwd_intra = _tuned(_bwd_intra_kernel, ["BT", "BK", "G", "USE_G"])
-_bwd_inter = _tuned(_bwd_inter_kernel, ["BT", "BK", "BV", "G", "USE_G"])
+@triton.jit
+def _intra_scores_scalar_kernel(
+    q, k, gc, A, scale, T,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """One decay per head: a chunk's causal scores in one masked dot, A = scale (q k^T) * exp(gc_i - gc_j)."""
+    i_n, i_bhq = tl.program_id(0), tl.program_id(1)
+    bhq = i_bhq.to(tl.int64)
+    bh = (bhq // (H * G)) * H + (bhq % (H * G)) // G
+    loc = tl.arange(0, BT)
+    rows = i_n * BT + loc
+    m_t = rows < T
+    acc = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        m = m_t[:, None] & (ck < K)[None, :]
+        b_q = tl.load(q + bhq * T * K + rows[:, None] * K + ck[None, :], mask=m, other=0.0)
+        b_k = tl.load(k + bh * T * K + rows[:, None] * K + ck[None, :], mask=m, other=0.0)
+        acc = tl.dot(b_q.to(DT), tl.trans(b_k.to(DT)), acc, input_precision=PREC)
+    b_g = tl.load(gc + bh * T + rows, mask=m_t, other=0.0)
+    causal = (loc[:, None] >= loc[None, :]) & m_t[None, :] & m_t[:, None]
+    acc *= _masked_exp(b_g[:, None] - b_g[None, :], causal)
+    tl.store(A + bhq * T * BT + rows[:, None] * BT + loc[None, :], acc * scale, mask=m_t[:, None])
+
+
+@triton.jit
+def _bwd_intra_scalar_kernel(
+    q, k, gc, dA, dqi, dki, scale, T,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC32: tl.constexpr,
+):
+    """One decay per head: in-chunk dq = (dA * D) k and dk = sum over the group of (dA * D)^T q, D the masked decay."""
+    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh = i_bh.to(tl.int64)
+    b, h = bh // H, bh % H
+    loc = tl.arange(0, BT)
+    rows = i_n * BT + loc
+    m_t = rows < T
+    ck = i_k * BK + tl.arange(0, BK)
+    m_tk = m_t[:, None] & (ck < K)[None, :]
+    b_g = tl.load(gc + bh * T + rows, mask=m_t, other=0.0)
+    decay = _masked_exp(b_g[:, None] - b_g[None, :], (loc[:, None] >= loc[None, :]) & m_t[None, :] & m_t[:, None])
+    b_k = tl.load(k + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    dk = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_g in range(G):
+        hq = b * H * G + h * G + i_g
+        b_da = tl.load(dA + hq * T * BT + rows[:, None] * BT + loc[None, :], mask=m_t[:, None], other=0.0) * decay
+        dq = tl.dot(b_da, b_k, input_precision=PREC32)
+        tl.store(dqi + hq * T * K + rows[:, None] * K + ck[None, :], dq * scale, mask=m_tk)
+        b_q = tl.load(q + hq * T * K + rows[:, None] * K + ck[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        dk = tl.dot(tl.trans(b_da), b_q, dk, input_precision=PREC32)
+    tl.store(dki + bh * T * K + rows[:, None] * K + ck[None, :], dk * scale, mask=m_tk)
+
+
+_fwd_state = _tuned(_fwd_state_kernel, ["BT", "K", "V", "USE_G", "GS"], ("BK", "BV"))
+_intra_scores = _tuned(_intra_scores_kernel, ["BT", "K", "USE_G"], ("BK",))
+_intra_scores_scalar = _tuned(_intra_scores_scalar_kernel, ["BT", "K"], ("BK",))
+_fwd_output = _tuned(_fwd_output_kernel, ["BT", "K", "V", "USE_G", "GS"], ("BK", "BV"))
+_bwd_dstate = _tuned(_bwd_dstate_kernel, ["BT", "K", "V", "G", "USE_G", "GS"], ("BK", "BV"))
+_bwd_dscores = _tuned(_bwd_dscores_kernel, ["BT", "V", "G"], ("BV",))
+_bwd_dv = _tuned(_bwd_dv_kernel, ["BT", "K", "V", "G", "USE_G", "GS"], ("BK", "BV"))
+_bwd_intra = _tuned(_bwd_intra_kernel, ["BT", "K", "G", "USE_G"], ("BK",))
+_bwd_intra_scalar = _tuned(_bwd_intra_scalar_kernel, ["BT", "K", "G"], ("BK",))
+_bwd_inter = _tuned(_bwd_inter_kernel, ["BT", "K", "V", "G", "USE_G", "GS"], ("BK", "BV"))
 
 
 def _block(dim: int, cap: int = 64) -> int:
     """Power-of-two tile for a head dimension, at least 16 (the smallest tl.dot) and at most `cap`."""
     return min(cap, max(16, triton.next_power_of_2(dim)))
+
+
+def _launch(kernel, grid, *args, tiles: dict[str, int], **meta) -> None:
+    """Launch over `grid(tiles)`; fixed tiles under the interpreter, the autotuner's choice on hardware."""
+    if _interpreting():
+        kernel[grid(tiles)](*args, **tiles, **meta)
+    else:
+        kernel[grid](*args, **meta)
+
+
+def _device_guard(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make x's CUDA device current: Triton launches on the current device, which need not be x's (cuda:1)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def _chunk_len(chunk_size: int) -> int:
@@ -501,8 +597,22 @@ def _dot_config(dtype: torch.dtype) -> dict:
     return {"DT": tl.float32, "PREC": "tf32" if tf32 else "ieee"}
 
 
+def _kept_precision(dtype: torch.dtype) -> str:
+    """Precision of the dots kept in fp32 whatever the inputs (in-chunk scores across sub-chunks, in-chunk
+    dq/dk, A^T do): tf32 for half inputs, and for fp32 inputs where torch allows it; exact fp32 otherwise.
+    These sums cancel heavily in dg, so fla keeps them out of bf16 too."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    return "tf32" if half or torch.get_float32_matmul_precision() != "highest" else "ieee"
+
+
+def _decay_strides(g: torch.Tensor | None) -> dict:
+    """Row and channel strides of the decay: a per-head decay [.., 1] is read for every channel (stride 0)."""
+    width = 1 if g is None else g.shape[-1]
+    return {"GK": width, "GS": int(width > 1)}
+
+
 def _local_cumsum(g: torch.Tensor, BT: int) -> torch.Tensor:
-    """Chunk-local cumulative log-decay in fp32."""
+    """Chunk-local cumulative log-decay in fp32 ([B, H, T, K], or [B, H, T, 1] for one decay per head)."""
     B, H, T, K = g.shape
     gc = torch.empty(B, H, T, K, device=g.device, dtype=torch.float32)
     BK = _block(K)
@@ -511,19 +621,21 @@ def _local_cumsum(g: torch.Tensor, BT: int) -> torch.Tensor:
 
 
 def _states(
-    k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, h0: torch.Tensor | None, BT: int, keep_final: bool
+    k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, h0: torch.Tensor | None, BT: int, keep_final: bool,
+    state_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """States entering every chunk, and the final state: inside the buffer (backward) or separate (forward)."""
     B, H, T, K = k.shape
     V = v.shape[-1]
     N = triton.cdiv(T, BT)
     NH = N + 1 if keep_final else N
-    hbuf = torch.empty(B, H, NH, K, V, device=k.device, dtype=torch.float32)
-    ht = hbuf[:, :, N] if keep_final else torch.empty(B, H, K, V, device=k.device, dtype=torch.float32)
-    BK, BV = _block(K), _block(V)
-    _fwd_state[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
+    hbuf = torch.empty(B, H, NH, K, V, device=k.device, dtype=state_dtype)
+    ht = hbuf[:, :, N] if keep_final else torch.empty(B, H, K, V, device=k.device, dtype=state_dtype)
+    _launch(
+        _fwd_state, lambda t: (triton.cdiv(K, t["BK"]), triton.cdiv(V, t["BV"]), B * H),
         k, v, k if gc is None else gc, k if h0 is None else h0, hbuf, ht, T, N, NH, NH * K * V if keep_final else K * V,
-        K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=gc is not None, HAS_H0=h0 is not None, **_dot_config(k.dtype),
+        tiles={"BK": _block(K), "BV": _block(V)},
+        K=K, V=V, BT=BT, USE_G=gc is not None, HAS_H0=h0 is not None, **_decay_strides(gc), **_dot_config(k.dtype),
     )
     return hbuf, ht
 
@@ -533,10 +645,16 @@ def _scores(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor | None, scale: fl
     B, HQ, T, K = q.shape
     H = k.shape[1]
     A = torch.empty(B, HQ, T, BT, device=q.device, dtype=torch.float32)
+    cfg = {"H": H, "G": HQ // H, "K": K, "BT": BT}
+    if gc is not None and gc.shape[-1] == 1:
+        _launch(_intra_scores_scalar, lambda t: (triton.cdiv(T, BT), B * HQ), q, k, gc, A, scale, T,
+                tiles={"BK": _block(K)}, **cfg, **_dot_config(q.dtype))
+        return A
     NC = BT // SUB_CHUNK
-    _intra_scores[(triton.cdiv(T, BT), NC * NC, B * HQ)](
-        q, k, k if gc is None else gc, A, scale, T,
-        H=H, G=HQ // H, K=K, BT=BT, BC=SUB_CHUNK, BK=_block(K), NC=NC, USE_G=gc is not None, **_dot_config(q.dtype),
+    _launch(
+        _intra_scores, lambda t: (triton.cdiv(T, BT), NC * NC, B * HQ), q, k, k if gc is None else gc, A, scale, T,
+        tiles={"BK": _block(K)}, BC=SUB_CHUNK, NC=NC, USE_G=gc is not None, **cfg, **_decay_strides(gc),
+        **_dot_config(q.dtype), PREC32=_kept_precision(q.dtype),
     )
     return A
 
@@ -547,51 +665,67 @@ def _output(
     B, HQ, T, K = q.shape
     H, V = v.shape[1], v.shape[-1]
     o = torch.empty(B, HQ, T, V, device=q.device, dtype=q.dtype)
-    BV = _block(V)
-    _fwd_output[(triton.cdiv(V, BV), triton.cdiv(T, BT), B * HQ)](
+    _launch(
+        _fwd_output, lambda t: (triton.cdiv(V, t["BV"]), triton.cdiv(T, BT), B * HQ),
         q, v, q if gc is None else gc, hbuf, A, o, scale, T, hbuf.shape[2],
-        H=H, G=HQ // H, K=K, V=V, BT=BT, BK=_block(K), BV=BV, USE_G=gc is not None, **_dot_config(q.dtype),
+        tiles={"BK": _block(K), "BV": _block(V)},
+        H=H, G=HQ // H, K=K, V=V, BT=BT, USE_G=gc is not None, **_decay_strides(gc), **_dot_config(q.dtype),
     )
     return o
 
 
 def _backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor | None,
-    do: torch.Tensor, dht: torch.Tensor | None, scale: float, BT: int,
+    do: torch.Tensor, dht: torch.Tensor | None, scale: float, BT: int, state_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Recomputes the chunk states and scores (nothing but the inputs is kept from the forward)."""
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
     G, N, NC = HQ // H, triton.cdiv(T, BT), BT // SUB_CHUNK
-    BK, BV = _block(K), _block(V)
+    tiles = {"BK": _block(K), "BV": _block(V)}
     gc = None if g is None else _local_cumsum(g, BT)
     gp = k if gc is None else gc
-    cfg = {"H": H, "G": G, "BT": BT, **_dot_config(q.dtype)}
     use_g = gc is not None
-    hbuf, _ = _states(k, v, gc, h0, BT, keep_final=True)
+    cfg = {"H": H, "G": G, "BT": BT, **_dot_config(q.dtype)}
+    decay = {"USE_G": use_g, **_decay_strides(gc)}
+    hbuf, _ = _states(k, v, gc, h0, BT, keep_final=True, state_dtype=state_dtype)
     A = _scores(q, k, gc, scale, BT)
 
     dhbuf = torch.empty(B, H, N, K, V, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
-    _bwd_dstate[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
-        q, do, gp, k if dht is None else dht, dhbuf if dh0 is None else dh0, dhbuf, scale, T, N,
-        K=K, V=V, BK=BK, BV=BV, USE_G=use_g, HAS_DHT=dht is not None, HAS_DH0=dh0 is not None, **cfg,
+    _launch(
+        _bwd_dstate, lambda t: (triton.cdiv(K, t["BK"]), triton.cdiv(V, t["BV"]), B * H),
+        q, do, gp, k if dht is None else dht, dhbuf if dh0 is None else dh0, dhbuf, scale, T, N, tiles=tiles,
+        K=K, V=V, HAS_DHT=dht is not None, HAS_DH0=dh0 is not None, **decay, **cfg,
     )
     dA = torch.empty(B, HQ, T, BT, device=q.device, dtype=torch.float32)
-    _bwd_dscores[(N, B * HQ)](do, v, dA, T, V=V, BV=BV, **cfg)
+    _launch(_bwd_dscores, lambda t: (N, B * HQ), do, v, dA, T, tiles={"BV": tiles["BV"]}, V=V, **cfg)
     dv = torch.empty_like(v)
-    _bwd_dv[(triton.cdiv(V, BV), N, B * H)](k, gp, A, do, dhbuf, dv, T, N, K=K, V=V, BK=BK, BV=BV, USE_G=use_g, **cfg)
+    _launch(
+        _bwd_dv, lambda t: (triton.cdiv(V, t["BV"]), N, B * H), k, gp, A, do, dhbuf, dv, T, N, tiles=tiles,
+        K=K, V=V, **decay, **cfg, PREC32=_kept_precision(q.dtype),
+    )
     dqi = torch.empty(B, HQ, T, K, device=q.device, dtype=torch.float32)
     dki = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32)
-    _bwd_intra[(triton.cdiv(K, BK), N * NC, B * H)](
-        q, k, gp, dA, dqi, dki, scale, T, K=K, BC=SUB_CHUNK, BK=BK, NC=NC, USE_G=use_g, **cfg,
-    )
+    if use_g and gc.shape[-1] == 1:
+        _launch(
+            _bwd_intra_scalar, lambda t: (triton.cdiv(K, t["BK"]), N, B * H), q, k, gc, dA, dqi, dki, scale, T,
+            tiles={"BK": tiles["BK"]}, H=H, G=G, K=K, BT=BT, PREC32=_kept_precision(q.dtype),
+        )
+    else:
+        _launch(
+            _bwd_intra, lambda t: (triton.cdiv(K, t["BK"]), N * NC, B * H), q, k, gp, dA, dqi, dki, scale, T,
+            tiles={"BK": tiles["BK"]}, K=K, BC=SUB_CHUNK, NC=NC, **decay, **cfg, PREC32=_kept_precision(q.dtype),
+        )
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32) if use_g else None
-    _bwd_inter[(triton.cdiv(K, BK), N, B * H)](
-        q, k, v, gp, hbuf, do, dhbuf, dqi, dki, dq, dk, k if dg is None else dg, scale, T, N,
-        K=K, V=V, BK=BK, BV=BV, USE_G=use_g, **cfg,
+    _launch(
+        _bwd_inter, lambda t: (triton.cdiv(K, t["BK"]), N, B * H),
+        q, k, v, gp, hbuf, do, dhbuf, dqi, dki, dq, dk, k if dg is None else dg, scale, T, N, tiles=tiles,
+        K=K, V=V, **decay, **cfg,
     )
+    if dg is not None and g.shape[-1] == 1:
+        dg = dg.sum(-1, keepdim=True)  # one decay per head: the channels' gradients add up
     return dq, dk, dv, dg, dh0
 
 
@@ -599,23 +733,24 @@ class _ChunkGLA(torch.autograd.Function):
     """Chunked GLA with Triton forward and backward; saves only the inputs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, initial_state, BT):
+    def forward(ctx, q, k, v, g, scale, initial_state, BT, state_dtype):
         gc = None if g is None else _local_cumsum(g, BT)
-        hbuf, ht = _states(k, v, gc, initial_state, BT, keep_final=False)
+        hbuf, ht = _states(k, v, gc, initial_state, BT, keep_final=False, state_dtype=state_dtype)
         A = _scores(q, k, gc, scale, BT)
         o = _output(q, v, gc, hbuf, A, scale, BT)
         ctx.save_for_backward(q, k, v, g, initial_state)
-        ctx.scale, ctx.BT = scale, BT
+        ctx.scale, ctx.BT, ctx.state_dtype = scale, BT, state_dtype
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, h0 = ctx.saved_tensors
         dht = None if dht is None else dht.contiguous()
-        dq, dk, dv, dg, dh0 = _backward(q, k, v, g, h0, do.contiguous(), dht, ctx.scale, ctx.BT)
+        with _device_guard(q):
+            dq, dk, dv, dg, dh0 = _backward(q, k, v, g, h0, do.contiguous(), dht, ctx.scale, ctx.BT, ctx.state_dtype)
         dg = None if dg is None else dg.to(g.dtype)
         dh0 = None if dh0 is None else dh0.to(h0.dtype)
-        return dq, dk, dv, dg, None, dh0, None
+        return dq, dk, dv, dg, None, dh0, None, None
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, state: torch.Tensor | None) -> None:
@@ -631,6 +766,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | 
         raise ValueError(f"state must be {(B, H, K, V)}, got {tuple(state.shape)}")
 
 
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_state_dtype(state_dtype: torch.dtype) -> None:
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype={state_dtype} is not supported: use torch.float32 or torch.bfloat16")
+
+
 def chunk_gla_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -639,16 +782,22 @@ def chunk_gla_triton(
     scale: float = 1.0,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
+    *,
+    state_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked GLA (differentiable in q, k, v, g and initial_state): (o in q.dtype, final state fp32).
+    """Chunked GLA (differentiable in q, k, v, g and initial_state): (o in q.dtype, final state in state_dtype).
 
-    g may be [B, H, T, K] or one decay per head [B, H, T, 1] (broadcast over K; any strength).
+    g may be [B, H, T, K] or one decay per head [B, H, T, 1], which runs its own fast path (one
+    masked dot per chunk for the in-chunk scores, the decay read once per token). `state_dtype`
+    bf16 stores the per-chunk states and the final state in bf16 (half the memory; the sums stay fp32).
     """
     _check(q, k, v, g, initial_state)
+    _check_state_dtype(state_dtype)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g = None if g is None else g.expand_as(k).contiguous()
+    g = None if g is None else g.contiguous()
     initial_state = None if initial_state is None else initial_state.contiguous()
-    return _ChunkGLA.apply(q, k, v, g, float(scale), initial_state, _chunk_len(chunk_size))
+    with _device_guard(q):
+        return _ChunkGLA.apply(q, k, v, g, float(scale), initial_state, _chunk_len(chunk_size), state_dtype)
 
 
 def fused_recurrent_gla_triton(
@@ -659,32 +808,36 @@ def fused_recurrent_gla_triton(
     scale: float = 1.0,
     initial_state: torch.Tensor | None = None,
     inplace: bool = True,
+    *,
+    state_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoding step(s): (o in q.dtype, final state fp32), one fused kernel over the tokens.
+    """Decoding step(s): (o in q.dtype, final state in state_dtype), one fused kernel over the tokens.
 
-    With `inplace` and an fp32 contiguous `initial_state`, that tensor is updated and returned,
-    so a cache keeps its buffer. When autograd needs gradients the chunked kernel runs instead
-    (same math, differentiable, never in place).
+    With `inplace` and a contiguous `initial_state` already in `state_dtype`, that tensor is updated
+    and returned, so a cache keeps its buffer (as `gla_torch.gla_recurrent` does on CPU). When
+    autograd needs gradients the chunked kernel runs instead (same math, differentiable, never in place).
     """
     _check(q, k, v, g, initial_state)
+    _check_state_dtype(state_dtype)
     tracked = (q, k, v, g, initial_state)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tracked):
-        return chunk_gla_triton(q, k, v, g, scale, initial_state)
+        return chunk_gla_triton(q, k, v, g, scale, initial_state, state_dtype=state_dtype)
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g = None if g is None else g.expand_as(k).contiguous()
+    g = None if g is None else g.contiguous()
     o = torch.empty(B, HQ, T, V, device=q.device, dtype=q.dtype)
-    reuse = inplace and initial_state is not None and initial_state.dtype == torch.float32 and initial_state.is_contiguous()
+    reuse = inplace and initial_state is not None and initial_state.dtype == state_dtype and initial_state.is_contiguous()
     if reuse:
         ht, h0 = initial_state, initial_state
     else:
-        ht = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
+        ht = torch.empty(B, H, K, V, device=q.device, dtype=state_dtype)
         h0 = None if initial_state is None else initial_state.contiguous()
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), max(16, 8192 // BK))
-    _fused_recurrent_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, v, k if g is None else g, ht if h0 is None else h0, o, ht, float(scale), T,
-        H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None, HAS_H0=h0 is not None,
-    )
+    with _device_guard(q):
+        _fused_recurrent_kernel[(triton.cdiv(V, BV), B * H)](
+            q, k, v, k if g is None else g, ht if h0 is None else h0, o, ht, float(scale), T,
+            H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None, HAS_H0=h0 is not None, **_decay_strides(g),
+        )
     return o, ht

@@ -60,8 +60,12 @@ def gated_linear_attention(
     initial_state: torch.Tensor | None = None,
     mode: str = "chunk",
     chunk_size: int = 64,
+    state_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run GLA in the requested form; returns (output [B, HQ, T, V], final state [B, H, K, V(+1)]).
+
+    `state_dtype` bf16 keeps the states in bf16 (the Triton kernels store their per-chunk states so
+    too); the sums accumulate in fp32 either way.
 
     With `normalize`, the state carries one extra value column (the normalizer `z`) and the
     output is divided by `q^T z`; pass that same state back as `initial_state` to continue. A
@@ -77,13 +81,14 @@ def gated_linear_attention(
         o, state = gla_parallel(q, k, v, g, scale, initial_state)
     elif backend == "triton":
         if mode == "recurrent":
-            o, state = fused_recurrent_gla_triton(q, k, v, g, scale, initial_state)
+            o, state = fused_recurrent_gla_triton(q, k, v, g, scale, initial_state, state_dtype=state_dtype)
         else:
-            o, state = chunk_gla_triton(q, k, v, g, scale, initial_state, chunk_size)
+            o, state = chunk_gla_triton(q, k, v, g, scale, initial_state, chunk_size, state_dtype=state_dtype)
     elif mode == "recurrent":
         o, state = gla_recurrent(q, k, v, g, scale, initial_state)
     else:
         o, state = gla_chunked(q, k, v, g, scale, initial_state, chunk_size)
+    state = state.to(state_dtype)
     if normalize:
         o = normalize_output(o[..., :-1], o[..., -1:])
     return o, state

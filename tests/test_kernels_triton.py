@@ -6,14 +6,17 @@ because the interpreter runs each program instance in Python.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton.language as triton_language  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from linearize.kernels import feature_maps, gla_triton, ops  # noqa: E402
@@ -104,6 +107,102 @@ def test_chunk_per_head_decay() -> None:
     assert_all_close(got, want)
 
 
+def test_per_head_decay_takes_the_scalar_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One decay per head runs one masked dot per chunk forward and backward, with GQA and a partial last chunk,
+    and never the per-channel kernels; the decay is read as [B, H, T, 1], not expanded over K."""
+    ran: list[str] = []
+    for name in ("_intra_scores", "_intra_scores_scalar", "_bwd_intra", "_bwd_intra_scalar"):
+        kernel = getattr(gla_triton, name)
+        monkeypatch.setattr(gla_triton, name, _Recording(kernel, name, ran))
+    inputs = make_inputs(2, 4, 2, 37, 16, 20, decay=False, state=True)
+    inputs["g"] = torch.nn.functional.logsigmoid(torch.randn(2, 2, 37, 1, generator=torch.Generator().manual_seed(3)) + 2)
+    inputs["g"].requires_grad_()
+    want = outputs_and_grads(gla_parallel, inputs)
+    got = outputs_and_grads(chunk_gla_triton, inputs, 16)
+    assert_all_close(got, want)
+    assert set(ran) == {"_intra_scores_scalar", "_bwd_intra_scalar"}
+
+
+class _Recording:
+    """A kernel launcher that notes its name when launched."""
+
+    def __init__(self, kernel, name: str, ran: list[str]) -> None:
+        self.kernel, self.name, self.ran = kernel, name, ran
+
+    def __getitem__(self, grid):
+        self.ran.append(self.name)
+        return self.kernel[grid]
+
+
+def test_launches_run_under_the_inputs_device_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward, backward and the decoding step make the inputs' device current (cuda:1 while cuda:0 is current)."""
+    seen: list[torch.device] = []
+    guard = gla_triton._device_guard
+
+    def recording(x: torch.Tensor):
+        seen.append(x.device)
+        return guard(x)
+
+    monkeypatch.setattr(gla_triton, "_device_guard", recording)
+    inputs = make_inputs(1, 2, 1, 20, 16, 16, decay=True, state=True)
+    outputs_and_grads(chunk_gla_triton, inputs)
+    assert len(seen) == 2 and set(seen) == {inputs["q"].device}, "forward and backward"
+    with torch.no_grad():
+        fused_recurrent_gla_triton(*(x.detach() for x in list(inputs.values())[:4]), 0.7, None)
+    assert len(seen) == 3
+    assert isinstance(guard(torch.zeros(1)), contextlib.nullcontext), "a CPU tensor needs no guard"
+
+
+def test_bf16_state_storage() -> None:
+    """state_dtype=bf16 stores the chunk states and the final state in bf16; results stay within bf16 rounding."""
+    inputs = make_inputs(1, 2, 1, 40, 16, 16, decay=True, state=True)
+    want = outputs_and_grads(gla_parallel, inputs)
+    got = outputs_and_grads(partial(chunk_gla_triton, state_dtype=torch.bfloat16), inputs)
+    assert got[1].dtype == torch.bfloat16
+    assert_all_close([x.float() for x in got], want, rtol=2e-2, atol=2e-2)
+    q, k, v, g, h0 = (x.detach() for x in inputs.values())
+    state = h0.to(torch.bfloat16)
+    with torch.no_grad():
+        o, h = fused_recurrent_gla_triton(q[:, :, :1], k[:, :, :1], v[:, :, :1], g[:, :, :1], 0.7, state,
+                                          state_dtype=torch.bfloat16)
+    want_o, want_h = gla_recurrent(q[:, :, :1], k[:, :, :1], v[:, :, :1], g[:, :, :1], 0.7, h0, inplace=False)
+    assert h is state, "a bf16 state is updated in place when bf16 storage is asked for"
+    torch.testing.assert_close(h.float(), want_h, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(o, want_o, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="state_dtype"):
+        chunk_gla_triton(q, k, v, g, 0.7, None, state_dtype=torch.float16)
+
+
+def test_precision_kept_where_fla_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-chunk cross-sub-chunk scores, in-chunk dq/dk and A^T do run on fp32 operands: tf32 for half inputs,
+    and for fp32 inputs only where torch allows tf32."""
+    for kernel in (gla_triton._intra_scores_kernel, gla_triton._bwd_intra_kernel, gla_triton._bwd_dv_kernel):
+        assert "PREC32" in kernel.arg_names
+    assert gla_triton._kept_precision(torch.bfloat16) == "tf32"
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert gla_triton._kept_precision(torch.float32) == "ieee"
+        assert gla_triton._dot_config(torch.float32)["PREC"] == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert gla_triton._kept_precision(torch.float32) == "tf32"
+        assert gla_triton._dot_config(torch.float32)["PREC"] == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    monkeypatch.setattr(gla_triton, "_interpreting", lambda: False)
+    assert gla_triton._dot_config(torch.bfloat16) == {"DT": triton_language.bfloat16, "PREC": "tf32"}
+
+
+def test_autotuner_searches_tiles_and_warps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On hardware the tiles BK/BV are tuned with num_warps and num_stages; the interpreter launches fixed tiles."""
+    assert gla_triton._tuned(gla_triton._fwd_state_kernel, ["K"], ("BK", "BV")) is gla_triton._fwd_state_kernel
+    monkeypatch.setattr(gla_triton, "_interpreting", lambda: False)
+    tuner = gla_triton._tuned(gla_triton._fwd_state_kernel, ["K", "V"], ("BK", "BV"))
+    tiles = {(c.kwargs["BK"], c.kwargs["BV"]) for c in tuner.configs}
+    assert tiles == {(a, b) for a in gla_triton.TILES for b in gla_triton.TILES}
+    assert {c.num_warps for c in tuner.configs} == {2, 4, 8}
+
+
 RECURRENT_CASES = {
     # B, HQ, H, T, K, V, decay, initial state
     "gqa-3-tokens": (1, 4, 2, 3, 16, 20, True, True),
@@ -184,7 +283,7 @@ def test_env_forces_triton_through_dispatch(mode: str, monkeypatch: pytest.Monke
     calls = []
     for name in ("chunk_gla_triton", "fused_recurrent_gla_triton"):
         original = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+        monkeypatch.setattr(ops, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
     inputs = make_inputs(1, 2, 1, 20 if mode == "chunk" else 2, 16, 16, decay=True, state=False)
     with torch.no_grad():
         inputs["q"].copy_(torch.nn.functional.elu(inputs["q"]) + 1)
@@ -201,6 +300,13 @@ def test_env_forces_triton_through_dispatch(mode: str, monkeypatch: pytest.Monke
     assert calls == [{"chunk": "chunk_gla_triton", "recurrent": "fused_recurrent_gla_triton"}[mode]]
     assert got[1].shape[-1] == 17
     assert_all_close(got, want)
+    monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
+    with torch.no_grad():
+        q, k, v, g = (x.detach() for x in list(inputs.values())[:4])
+        _, state = run(q, k, v, g, 0.7, None, mode)
+        _, half = ops.gated_linear_attention(q, k, v, g, scale=0.7, normalize=True, mode=mode, state_dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16, "state_dtype reaches the PyTorch path too"
+    torch.testing.assert_close(half.float(), state, rtol=2e-2, atol=2e-2)
 
 
 def _grads(y: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
