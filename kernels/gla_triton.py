@@ -93,11 +93,15 @@ def _chunk_cumsum_kernel(g, gc, T, K: tl.constexpr, BT: tl.constexpr, BK: tl.con
 
 @triton.jit
 def _fwd_state_kernel(
-    k, v, gc, h0, hbuf, ht, T, N, NH, s_ht,
+    k, v, gc, h0, hbuf, ht, z0, zbuf, zt, T, N, NH, s_ht, s_zt,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr, HAS_H0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr, HAS_H0: tl.constexpr, NORM: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Scan over chunks: store the state entering each chunk (hbuf[n]) and the final state (ht)."""
+    """Scan over chunks: store the state entering each chunk (hbuf[n]) and the final state (ht).
+
+    With NORM the first value block also carries the normalizer z = sum of decayed keys ([K]: zbuf, zt).
+    """
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = i_bh.to(tl.int64)
     ck = i_k * BK + tl.arange(0, BK)
@@ -106,10 +110,16 @@ def _fwd_state_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     kv_offs = ck[:, None] * V + cv[None, :]
     h = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    norm = NORM and i_v == 0
     if HAS_H0:
         h += tl.load(h0 + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
+        if norm:
+            z += tl.load(z0 + bh * K + ck, mask=m_k, other=0.0).to(tl.float32)
     for n in range(N):
         tl.store(hbuf + (bh * NH + n) * K * V + kv_offs, h.to(hbuf.dtype.element_ty), mask=m_kv)
+        if norm:
+            tl.store(zbuf + (bh * NH + n) * K + ck, z, mask=m_k)
         rows = n * BT + tl.arange(0, BT)
         m_t = rows < T
         b_k = tl.load(k + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -120,9 +130,13 @@ def _fwd_state_kernel(
             g_last = tl.load(gc + bh * T * GK + last * GK + ck * GS, mask=m_k, other=0.0)
             b_g = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_t[:, None] & m_k[None, :], other=0.0)
             h *= tl.exp(g_last)[:, None]
+            z *= tl.exp(g_last)
             b_k *= tl.exp(g_last[None, :] - b_g)
         h = tl.dot(tl.trans(b_k.to(DT)), b_v.to(DT), h, input_precision=PREC)
+        z += tl.sum(b_k, axis=0)
     tl.store(ht + bh * s_ht + kv_offs, h.to(ht.dtype.element_ty), mask=m_kv)
+    if norm:
+        tl.store(zt + bh * s_zt + ck, z, mask=m_k)
 
 
 @triton.jit
@@ -184,19 +198,26 @@ def _intra_scores_kernel(
 
 @triton.jit
 def _fwd_output_kernel(
-    q, v, gc, hbuf, A, o, scale, T, NH,
+    q, v, gc, hbuf, zbuf, A, o, scale, T, NH,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    NORM: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """o = scale (q * exp(gc)) @ h_n  +  A @ v, per chunk and value block."""
+    """o = scale (q * exp(gc)) @ h_n  +  A @ v, per chunk and value block.
+
+    With NORM, o has V + 1 columns and the first value block writes the normalizer q.z (from z_n
+    and the rows of A, which hold the in-chunk part) into the last one.
+    """
     i_v, i_n, i_bhq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bhq = i_bhq.to(tl.int64)
     bh = (bhq // (H * G)) * H + (bhq % (H * G)) // G
     rows = i_n * BT + tl.arange(0, BT)
     cv = i_v * BV + tl.arange(0, BV)
     m_t, m_v = rows < T, cv < V
+    OV = V + 1 if NORM else V  # o's row length
+    norm = NORM and i_v == 0
     acc = tl.zeros([BT, BV], dtype=tl.float32)
+    den = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         ck = i_k * BK + tl.arange(0, BK)
         m_k = ck < K
@@ -207,23 +228,30 @@ def _fwd_output_kernel(
             b_q *= tl.exp(b_g)
         b_h = tl.load(hbuf + (bh * NH + i_n) * K * V + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         acc = tl.dot(b_q.to(DT), b_h.to(DT), acc, input_precision=PREC)
+        if norm:
+            b_z = tl.load(zbuf + (bh * NH + i_n) * K + ck, mask=m_k, other=0.0)
+            den += tl.sum(b_q * b_z[None, :], axis=1)
     acc *= scale
     cols = tl.arange(0, BT)
     b_a = tl.load(A + bhq * T * BT + rows[:, None] * BT + cols[None, :], mask=m_t[:, None], other=0.0)
     b_v = tl.load(v + bh * T * V + rows[:, None] * V + cv[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
     acc = tl.dot(b_a.to(DT), b_v.to(DT), acc, input_precision=PREC)
-    tl.store(o + bhq * T * V + rows[:, None] * V + cv[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    tl.store(o + bhq * T * OV + rows[:, None] * OV + cv[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    if norm:
+        den = den * scale + tl.sum(b_a, axis=1)
+        tl.store(o + bhq * T * OV + rows * OV + V, den.to(o.dtype.element_ty), mask=m_t)
 
 
 @triton.jit
 def _bwd_dstate_kernel(
-    q, do, gc, dht, dh0, dhbuf, scale, T, N,
+    q, do, dden, gc, dht, dh0, dhbuf, dzt, dz0, dzbuf, scale, T, N,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
-    HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr,
+    HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr, NORM: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Reverse scan: dhbuf[n] = dL/dh_{n+1} (the state leaving chunk n), dh0 = dL/dh_0."""
+    """Reverse scan: dhbuf[n] = dL/dh_{n+1} (the state leaving chunk n), dh0 = dL/dh_0; with NORM the
+    first value block does the same for the normalizer (dzbuf, dz0) from the normalizer's gradient dden."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = i_bh.to(tl.int64)
     b, h = bh // H, bh % H
@@ -233,11 +261,17 @@ def _bwd_dstate_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     kv_offs = ck[:, None] * V + cv[None, :]
     dh = tl.zeros([BK, BV], dtype=tl.float32)
+    dz = tl.zeros([BK], dtype=tl.float32)
+    norm = NORM and i_v == 0
     if HAS_DHT:
         dh += tl.load(dht + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
+        if norm:
+            dz += tl.load(dzt + bh * K + ck, mask=m_k, other=0.0).to(tl.float32)
     for i in range(N):
         n = N - 1 - i
         tl.store(dhbuf + (bh * N + n) * K * V + kv_offs, dh, mask=m_kv)
+        if norm:
+            tl.store(dzbuf + (bh * N + n) * K + ck, dz, mask=m_k)
         rows = n * BT + tl.arange(0, BT)
         m_t = rows < T
         if USE_G:
@@ -245,6 +279,7 @@ def _bwd_dstate_kernel(
             g_last = tl.load(gc + bh * T * GK + last * GK + ck * GS, mask=m_k, other=0.0)
             b_g = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_t[:, None] & m_k[None, :], other=0.0)
             dh *= tl.exp(g_last)[:, None]
+            dz *= tl.exp(g_last)
         for i_g in range(G):
             hq = b * H * G + h * G + i_g
             b_q = tl.load(q + hq * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -253,17 +288,21 @@ def _bwd_dstate_kernel(
                 b_q *= tl.exp(b_g)
             b_do = tl.load(do + hq * T * V + rows[:, None] * V + cv[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
             dh = tl.dot(tl.trans(b_q.to(DT)), b_do.to(DT), dh, input_precision=PREC)
+            if norm:
+                dz += tl.sum(b_q * tl.load(dden + hq * T + rows, mask=m_t, other=0.0)[:, None], axis=0)
     if HAS_DH0:
         tl.store(dh0 + bh * K * V + kv_offs, dh, mask=m_kv)
+        if norm:
+            tl.store(dz0 + bh * K + ck, dz, mask=m_k)
 
 
 @triton.jit
 def _bwd_dscores_kernel(
-    do, v, dA, T,
+    do, v, dden, dA, T,
     H: tl.constexpr, G: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    NORM: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dA[i, j] = do_i . v_j on the causal part of each chunk."""
+    """dA[i, j] = do_i . v_j (+ dden_i, the normalizer's share) on the causal part of each chunk."""
     i_n, i_bhq = tl.program_id(0), tl.program_id(1)
     bhq = i_bhq.to(tl.int64)
     bh = (bhq // (H * G)) * H + (bhq % (H * G)) // G
@@ -277,6 +316,8 @@ def _bwd_dscores_kernel(
         b_do = tl.load(do + bhq * T * V + rows[:, None] * V + cv[None, :], mask=m, other=0.0)
         b_v = tl.load(v + bh * T * V + rows[:, None] * V + cv[None, :], mask=m, other=0.0)
         acc = tl.dot(b_do.to(DT), tl.trans(b_v.to(DT)), acc, input_precision=PREC)
+    if NORM:
+        acc += tl.load(dden + bhq * T + rows, mask=m_t, other=0.0)[:, None]
     acc = tl.where(loc[:, None] >= loc[None, :], acc, 0.0)
     tl.store(dA + bhq * T * BT + rows[:, None] * BT + loc[None, :], acc, mask=m_t[:, None])
 
@@ -406,12 +447,12 @@ def _bwd_intra_kernel(
 
 @triton.jit
 def _bwd_inter_kernel(
-    q, k, v, gc, hbuf, do, dhbuf, dqi, dki, dq, dk, dg, scale, T, N,
+    q, k, v, gc, hbuf, zbuf, do, dden, dhbuf, dzbuf, dqi, dki, dq, dk, dg, scale, T, N,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    NORM: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Adds the state paths to dq and dk, and forms dg (see the module docstring)."""
+    """Adds the state paths (the normalizer's too, with NORM) to dq and dk, and forms dg (see the module docstring)."""
     i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = i_bh.to(tl.int64)
     b, h = bh // H, bh % H
@@ -437,6 +478,12 @@ def _bwd_inter_kernel(
         if USE_G:
             b_hn = tl.load(hbuf + (bh * (N + 1) + i_n + 1) * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
             h_dh += tl.sum(b_hn * b_dh, axis=1)
+    if NORM:
+        b_dz = tl.load(dzbuf + (bh * N + i_n) * K + ck, mask=m_k, other=0.0)
+        dk_state += b_dz[None, :]
+        if USE_G:
+            h_dh += tl.load(zbuf + (bh * (N + 1) + i_n + 1) * K + ck, mask=m_k, other=0.0) * b_dz
+        b_z = tl.load(zbuf + (bh * (N + 1) + i_n) * K + ck, mask=m_k, other=0.0)
     if USE_G:
         dk_state *= tl.exp(g_last[None, :] - b_g)
     b_dk = dk_state + tl.load(dki + bh * T * K + tk_offs, mask=m_tk, other=0.0)
@@ -451,6 +498,8 @@ def _bwd_inter_kernel(
             b_do = tl.load(do + hq * T * V + rows[:, None] * V + cv[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
             b_h = tl.load(hbuf + (bh * (N + 1) + i_n) * K * V + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
             b_dq = tl.dot(b_do.to(DT), tl.trans(b_h.to(DT)), b_dq, input_precision=PREC)
+        if NORM:
+            b_dq += tl.load(dden + hq * T + rows, mask=m_t, other=0.0)[:, None] * b_z[None, :]
         b_dq *= scale
         if USE_G:
             b_dq *= tl.exp(b_g)
@@ -621,23 +670,31 @@ def _local_cumsum(g: torch.Tensor, BT: int) -> torch.Tensor:
 
 
 def _states(
-    k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, h0: torch.Tensor | None, BT: int, keep_final: bool,
-    state_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """States entering every chunk, and the final state: inside the buffer (backward) or separate (forward)."""
+    k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, h0: torch.Tensor | None, z0: torch.Tensor | None,
+    BT: int, keep_final: bool, norm: bool, state_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """States entering every chunk and the final state, inside the buffer (backward) or separate (forward);
+    with `norm` the same for the normalizer z [K] (fp32), else None."""
     B, H, T, K = k.shape
     V = v.shape[-1]
     N = triton.cdiv(T, BT)
     NH = N + 1 if keep_final else N
     hbuf = torch.empty(B, H, NH, K, V, device=k.device, dtype=state_dtype)
     ht = hbuf[:, :, N] if keep_final else torch.empty(B, H, K, V, device=k.device, dtype=state_dtype)
+    zbuf = zt = None
+    if norm:
+        zbuf = torch.empty(B, H, NH, K, device=k.device, dtype=torch.float32)
+        zt = zbuf[:, :, N] if keep_final else torch.empty(B, H, K, device=k.device, dtype=torch.float32)
     _launch(
         _fwd_state, lambda t: (triton.cdiv(K, t["BK"]), triton.cdiv(V, t["BV"]), B * H),
-        k, v, k if gc is None else gc, k if h0 is None else h0, hbuf, ht, T, N, NH, NH * K * V if keep_final else K * V,
+        k, v, k if gc is None else gc, k if h0 is None else h0, hbuf, ht,
+        k if z0 is None else z0, hbuf if zbuf is None else zbuf, ht if zt is None else zt,
+        T, N, NH, NH * K * V if keep_final else K * V, NH * K if keep_final else K,
         tiles={"BK": _block(K), "BV": _block(V)},
-        K=K, V=V, BT=BT, USE_G=gc is not None, HAS_H0=h0 is not None, **_decay_strides(gc), **_dot_config(k.dtype),
+        K=K, V=V, BT=BT, USE_G=gc is not None, HAS_H0=h0 is not None, NORM=norm, **_decay_strides(gc),
+        **_dot_config(k.dtype),
     )
-    return hbuf, ht
+    return hbuf, ht, zbuf, zt
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor | None, scale: float, BT: int) -> torch.Tensor:
@@ -660,25 +717,32 @@ def _scores(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor | None, scale: fl
 
 
 def _output(
-    q: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, hbuf: torch.Tensor, A: torch.Tensor, scale: float, BT: int
+    q: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, hbuf: torch.Tensor, zbuf: torch.Tensor | None,
+    A: torch.Tensor, scale: float, BT: int,
 ) -> torch.Tensor:
+    """o [B, HQ, T, V], or [B, HQ, T, V + 1] with the normalizer q.z as the last column when zbuf is given."""
     B, HQ, T, K = q.shape
     H, V = v.shape[1], v.shape[-1]
-    o = torch.empty(B, HQ, T, V, device=q.device, dtype=q.dtype)
+    o = torch.empty(B, HQ, T, V + (zbuf is not None), device=q.device, dtype=q.dtype)
     _launch(
         _fwd_output, lambda t: (triton.cdiv(V, t["BV"]), triton.cdiv(T, BT), B * HQ),
-        q, v, q if gc is None else gc, hbuf, A, o, scale, T, hbuf.shape[2],
+        q, v, q if gc is None else gc, hbuf, hbuf if zbuf is None else zbuf, A, o, scale, T, hbuf.shape[2],
         tiles={"BK": _block(K), "BV": _block(V)},
-        H=H, G=HQ // H, K=K, V=V, BT=BT, USE_G=gc is not None, **_decay_strides(gc), **_dot_config(q.dtype),
+        H=H, G=HQ // H, K=K, V=V, BT=BT, USE_G=gc is not None, NORM=zbuf is not None, **_decay_strides(gc),
+        **_dot_config(q.dtype),
     )
     return o
 
 
 def _backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor | None,
-    do: torch.Tensor, dht: torch.Tensor | None, scale: float, BT: int, state_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Recomputes the chunk states and scores (nothing but the inputs is kept from the forward)."""
+    z0: torch.Tensor | None, do: torch.Tensor, dden: torch.Tensor | None, dht: torch.Tensor | None,
+    dzt: torch.Tensor | None, scale: float, BT: int, state_dtype: torch.dtype, norm: bool,
+) -> tuple[torch.Tensor, ...]:
+    """Recomputes the chunk states and scores (nothing but the inputs is kept from the forward).
+
+    Returns dq, dk, dv, dg, dh0 and dz0 (the last ones None where there is no initial state or normalizer).
+    """
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
     G, N, NC = HQ // H, triton.cdiv(T, BT), BT // SUB_CHUNK
@@ -688,18 +752,22 @@ def _backward(
     use_g = gc is not None
     cfg = {"H": H, "G": G, "BT": BT, **_dot_config(q.dtype)}
     decay = {"USE_G": use_g, **_decay_strides(gc)}
-    hbuf, _ = _states(k, v, gc, h0, BT, keep_final=True, state_dtype=state_dtype)
+    hbuf, _, zbuf, _ = _states(k, v, gc, h0, z0, BT, keep_final=True, norm=norm, state_dtype=state_dtype)
     A = _scores(q, k, gc, scale, BT)
 
     dhbuf = torch.empty(B, H, N, K, V, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
+    dzbuf = torch.empty(B, H, N, K, device=q.device, dtype=torch.float32) if norm else None
+    dz0 = torch.empty(B, H, K, device=q.device, dtype=torch.float32) if norm and h0 is not None else None
+    dden = do if dden is None else dden  # (a placeholder pointer without the normalizer)
     _launch(
         _bwd_dstate, lambda t: (triton.cdiv(K, t["BK"]), triton.cdiv(V, t["BV"]), B * H),
-        q, do, gp, k if dht is None else dht, dhbuf if dh0 is None else dh0, dhbuf, scale, T, N, tiles=tiles,
-        K=K, V=V, HAS_DHT=dht is not None, HAS_DH0=dh0 is not None, **decay, **cfg,
+        q, do, dden, gp, k if dht is None else dht, dhbuf if dh0 is None else dh0, dhbuf,
+        k if dzt is None else dzt, dhbuf if dz0 is None else dz0, dhbuf if dzbuf is None else dzbuf, scale, T, N,
+        tiles=tiles, K=K, V=V, HAS_DHT=dht is not None, HAS_DH0=dh0 is not None, NORM=norm, **decay, **cfg,
     )
     dA = torch.empty(B, HQ, T, BT, device=q.device, dtype=torch.float32)
-    _launch(_bwd_dscores, lambda t: (N, B * HQ), do, v, dA, T, tiles={"BV": tiles["BV"]}, V=V, **cfg)
+    _launch(_bwd_dscores, lambda t: (N, B * HQ), do, v, dden, dA, T, tiles={"BV": tiles["BV"]}, V=V, NORM=norm, **cfg)
     dv = torch.empty_like(v)
     _launch(
         _bwd_dv, lambda t: (triton.cdiv(V, t["BV"]), N, B * H), k, gp, A, do, dhbuf, dv, T, N, tiles=tiles,
@@ -721,39 +789,59 @@ def _backward(
     dg = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32) if use_g else None
     _launch(
         _bwd_inter, lambda t: (triton.cdiv(K, t["BK"]), N, B * H),
-        q, k, v, gp, hbuf, do, dhbuf, dqi, dki, dq, dk, k if dg is None else dg, scale, T, N, tiles=tiles,
-        K=K, V=V, **decay, **cfg,
+        q, k, v, gp, hbuf, hbuf if zbuf is None else zbuf, do, dden, dhbuf, dhbuf if dzbuf is None else dzbuf,
+        dqi, dki, dq, dk, k if dg is None else dg, scale, T, N, tiles=tiles, K=K, V=V, NORM=norm, **decay, **cfg,
     )
     if dg is not None and g.shape[-1] == 1:
         dg = dg.sum(-1, keepdim=True)  # one decay per head: the channels' gradients add up
-    return dq, dk, dv, dg, dh0
+    return dq, dk, dv, dg, dh0, dz0
+
+
+def _split_normalizer(x: torch.Tensor | None, norm: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """[..., V + 1] -> ([..., V], [...]) contiguous, when the last column is the normalizer's."""
+    if x is None or not norm:
+        return None if x is None else x.contiguous(), None
+    return x[..., :-1].contiguous(), x[..., -1].contiguous()
 
 
 class _ChunkGLA(torch.autograd.Function):
-    """Chunked GLA with Triton forward and backward; saves only the inputs."""
+    """Chunked GLA with Triton forward and backward; saves only the inputs.
+
+    With `norm`, the normalizer is a [K] vector beside the state: the output gains the column q.z and
+    the state (in and out) the column z, the layout `ops.with_normalizer` gives the PyTorch forms.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, initial_state, BT, state_dtype):
+    def forward(ctx, q, k, v, g, scale, initial_state, BT, state_dtype, norm):
+        h0, z0 = _split_normalizer(initial_state, norm)
         gc = None if g is None else _local_cumsum(g, BT)
-        hbuf, ht = _states(k, v, gc, initial_state, BT, keep_final=False, state_dtype=state_dtype)
+        hbuf, ht, zbuf, zt = _states(k, v, gc, h0, z0, BT, keep_final=False, norm=norm, state_dtype=state_dtype)
         A = _scores(q, k, gc, scale, BT)
-        o = _output(q, v, gc, hbuf, A, scale, BT)
+        o = _output(q, v, gc, hbuf, zbuf, A, scale, BT)
         ctx.save_for_backward(q, k, v, g, initial_state)
-        ctx.scale, ctx.BT, ctx.state_dtype = scale, BT, state_dtype
-        return o, ht
+        ctx.scale, ctx.BT, ctx.state_dtype, ctx.norm = scale, BT, state_dtype, norm
+        return o, ht if zt is None else torch.cat([ht, zt.unsqueeze(-1).to(ht.dtype)], dim=-1)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, h0 = ctx.saved_tensors
-        dht = None if dht is None else dht.contiguous()
+        q, k, v, g, initial_state = ctx.saved_tensors
+        norm = ctx.norm
+        h0, z0 = _split_normalizer(initial_state, norm)
+        do, dden = _split_normalizer(do, norm)
+        dht, dzt = _split_normalizer(dht, norm)
         with _device_guard(q):
-            dq, dk, dv, dg, dh0 = _backward(q, k, v, g, h0, do.contiguous(), dht, ctx.scale, ctx.BT, ctx.state_dtype)
+            dq, dk, dv, dg, dh0, dz0 = _backward(
+                q, k, v, g, h0, z0, do, dden, dht, dzt, ctx.scale, ctx.BT, ctx.state_dtype, norm
+            )
         dg = None if dg is None else dg.to(g.dtype)
-        dh0 = None if dh0 is None else dh0.to(h0.dtype)
-        return dq, dk, dv, dg, None, dh0, None, None
+        if dh0 is not None:
+            dh0 = (dh0 if dz0 is None else torch.cat([dh0, dz0.unsqueeze(-1)], dim=-1)).to(initial_state.dtype)
+        return dq, dk, dv, dg, None, dh0, None, None, None
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, state: torch.Tensor | None) -> None:
+def _check(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, state: torch.Tensor | None, extra: int = 0
+) -> None:
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
     if HQ % H or k.shape != (B, H, T, K) or v.shape[:3] != (B, H, T):
@@ -762,8 +850,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | 
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if g is not None and g.shape not in (k.shape, (B, H, T, 1)):
         raise ValueError(f"g must be {tuple(k.shape)} or {(B, H, T, 1)} (one decay per head), got {tuple(g.shape)}")
-    if state is not None and state.shape != (B, H, K, V):
-        raise ValueError(f"state must be {(B, H, K, V)}, got {tuple(state.shape)}")
+    if state is not None and state.shape != (B, H, K, V + extra):
+        raise ValueError(f"state must be {(B, H, K, V + extra)}, got {tuple(state.shape)}")
 
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -784,20 +872,25 @@ def chunk_gla_triton(
     chunk_size: int = 64,
     *,
     state_dtype: torch.dtype = torch.float32,
+    normalizer: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked GLA (differentiable in q, k, v, g and initial_state): (o in q.dtype, final state in state_dtype).
 
     g may be [B, H, T, K] or one decay per head [B, H, T, 1], which runs its own fast path (one
     masked dot per chunk for the in-chunk scores, the decay read once per token). `state_dtype`
     bf16 stores the per-chunk states and the final state in bf16 (half the memory; the sums stay fp32).
+    With `normalizer`, the kernels also carry z = sum of decayed keys as a [K] vector: o gets a last
+    column q.z and the state [B, H, K, V + 1] a last column z (initial_state too) — what running
+    `with_normalizer(v)` would give, without widening every value tile to V + 1.
     """
-    _check(q, k, v, g, initial_state)
+    _check(q, k, v, g, initial_state, extra=int(normalizer))
     _check_state_dtype(state_dtype)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = None if g is None else g.contiguous()
-    initial_state = None if initial_state is None else initial_state.contiguous()
     with _device_guard(q):
-        return _ChunkGLA.apply(q, k, v, g, float(scale), initial_state, _chunk_len(chunk_size), state_dtype)
+        return _ChunkGLA.apply(
+            q, k, v, g, float(scale), initial_state, _chunk_len(chunk_size), state_dtype, normalizer
+        )
 
 
 def fused_recurrent_gla_triton(

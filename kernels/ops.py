@@ -57,6 +57,7 @@ def gated_linear_attention(
     *,
     scale: float = 1.0,
     normalize: bool = False,
+    divide: bool = True,
     initial_state: torch.Tensor | None = None,
     mode: str = "chunk",
     chunk_size: int = 64,
@@ -68,28 +69,33 @@ def gated_linear_attention(
     too); the sums accumulate in fp32 either way.
 
     With `normalize`, the state carries one extra value column (the normalizer `z`) and the
-    output is divided by `q^T z`; pass that same state back as `initial_state` to continue. A
-    caller that mixes in other terms first (the softmax window) uses `with_normalizer` and
-    `normalize_output` itself: the same two steps.
+    output is divided by `q^T z`; pass that same state back as `initial_state` to continue. With
+    `divide` off the output keeps the terms undivided, [num | q^T z], for a caller that mixes in other
+    terms first (the softmax window) and then calls `normalize_output`. The PyTorch forms get the
+    normalizer as a column of ones on v (`with_normalizer`); the Triton chunked kernels carry it as a
+    [K] vector beside the state, in the same layout.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
-    if normalize:
-        v = with_normalizer(v)
     backend = kernel_backend(q.device)
+    vector_normalizer = backend == "triton" and mode == "chunk"  # the kernels carry z themselves
+    if normalize and not vector_normalizer:
+        v = with_normalizer(v)
     if mode == "parallel":
         o, state = gla_parallel(q, k, v, g, scale, initial_state)
     elif backend == "triton":
         if mode == "recurrent":
             o, state = fused_recurrent_gla_triton(q, k, v, g, scale, initial_state, state_dtype=state_dtype)
         else:
-            o, state = chunk_gla_triton(q, k, v, g, scale, initial_state, chunk_size, state_dtype=state_dtype)
+            o, state = chunk_gla_triton(
+                q, k, v, g, scale, initial_state, chunk_size, state_dtype=state_dtype, normalizer=normalize
+            )
     elif mode == "recurrent":
         o, state = gla_recurrent(q, k, v, g, scale, initial_state)
     else:
         o, state = gla_chunked(q, k, v, g, scale, initial_state, chunk_size)
     state = state.to(state_dtype)
-    if normalize:
+    if normalize and divide:
         o = normalize_output(o[..., :-1], o[..., -1:])
     return o, state
 

@@ -236,11 +236,13 @@ def window_softmax_terms(
     scaling: float,
     sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     q_positions: torch.Tensor | None = None,
+    sinks_visible: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unnormalized softmax over the last `window` keys of each query and the sinks before it: O(T * window).
 
     q [B, H, T, D] are the last T of the L keys k, v [B, Hkv, L, D]; key_valid [B, L]; `sinks` as
-    `update_sinks` keeps them, seen by queries at absolute `q_positions` [T]. Returns the terms
+    `update_sinks` keeps them, seen by queries at absolute `q_positions` [T] (`sinks_visible`: the
+    caller knows every slot is filled and out of every query's window, so no mask). Returns the terms
     [B, H, T, D + 1] (sum exp(s - c) v, then sum exp(s - c): the layout of a normalized GLA output)
     and the row max c [B, H, T, 1].
     """
@@ -249,12 +251,16 @@ def window_softmax_terms(
     groups = H // Hkv
     if T <= RECURRENT_MAX_TOKENS:  # decoding: a few queries against at most window + T keys and the sinks, no blocks
         allowed = _window_band(T, L, window, q.device) & key_valid[:, None, None, None, :]
+        masked = 0  # keys before this many are all visible
         if sinks is not None:
             k, v = torch.cat([sinks[0], k], dim=2), torch.cat([sinks[1], v], dim=2)
-            allowed = torch.cat([sink_visibility(sinks[2], q_positions, window), allowed], dim=-1)
+            if sinks_visible:
+                masked = sinks[0].shape[2]
+            else:
+                allowed = torch.cat([sink_visibility(sinks[2], q_positions, window), allowed], dim=-1)
         # A group's queries are the rows of one matmul against their KV head: no key copies.
         scores = (q.reshape(B, Hkv, groups * T, D) @ k.transpose(-1, -2)).view(B, Hkv, groups, T, -1) * scaling
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores[..., masked:].masked_fill_(~allowed, float("-inf"))
         c = scores.amax(-1, keepdim=True).clamp_min(-1e4)
         terms = (scores - c).exp().view(B, Hkv, groups * T, -1) @ with_normalizer(v)
         return terms.view(B, H, T, D + 1), c.view(B, H, T, 1)
@@ -564,11 +570,14 @@ class LinearAttention(nn.Module):
             extras_all = iter(window_kv[..., 2 * D :].split([x.shape[-1] for x in extras], dim=-1))
             payload = [k_all if x is k else v_all if x is v else next(extras_all) for x in payload]
             sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None
-            window_terms = window_softmax_terms(q, k_all, v_all, key_valid, self.window, self.scaling, sinks, positions)
+            last_sink = getattr(layer, "linearize_last_sink", None)
+            sinks_visible = last_sink is not None and last_sink <= start - self.window
+            window_terms = window_softmax_terms(
+                q, k_all, v_all, key_valid, self.window, self.scaling, sinks, positions, sinks_visible
+            )
             payload = [shift_into_state(x, T, self.window) for x in payload]
             valid = shift_into_state(key_valid, T, self.window, dim=1)
-            last_sink = getattr(layer, "linearize_last_sink", None)
-            if self.sink and (last_sink is None or start - self.window <= last_sink):
+            if self.sink and not (last_sink is not None and last_sink < start - self.window):
                 # Sinks stay in the softmax part for good: they never enter the linear state.
                 entering = (positions - self.window).to(sinks[2].dtype)
                 valid = valid & ~(entering[None, :, None] == sinks[2][:, None, :]).any(-1)
@@ -597,10 +606,11 @@ class LinearAttention(nn.Module):
         o, state = gated_linear_attention(
             fq,
             fk,
-            with_normalizer(v) if mixed else v,
+            v,
             g,
             scale=scale,
-            normalize=self.normalize and not self.window,
+            normalize=self.normalize,
+            divide=not mixed,
             initial_state=state,
             mode=mode,
             chunk_size=self.chunk_size,

@@ -384,3 +384,63 @@ def test_fused_recurrent_delta_matches_the_reference(case: tuple, monkeypatch: p
     dispatched = ops.gated_delta_rule(q, k, v, beta, g, scale=0.8, initial_state=h0, mode="recurrent")
     for a, b in zip(dispatched, want, strict=True):
         torch.testing.assert_close(a, b, **TOL)
+
+
+NORMALIZER_CASES = {
+    # B, HQ, H, T, K, V, decay, initial state
+    "gqa-state-partial-chunk": (1, 4, 2, 45, 16, 16, True, True),
+    "no-decay-no-state": (2, 2, 1, 33, 32, 20, False, False),
+}
+
+
+@pytest.mark.parametrize("case", NORMALIZER_CASES.values(), ids=NORMALIZER_CASES.keys())
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-channel", "per-head"])
+def test_normalizer_vector_matches_a_column_of_ones(case: tuple, per_head: bool) -> None:
+    """The kernels' [K] normalizer gives what a column of ones on v gives, forward and backward
+    (output's last column q.z, the state's last column z, and the gradients through both)."""
+    B, HQ, H, T, K, V, decay, state = case
+    inputs = make_inputs(B, HQ, H, T, K, V, decay=decay and not per_head, state=False)
+    with torch.no_grad():  # positive features, as the model's maps give
+        inputs["q"].copy_(torch.nn.functional.elu(inputs["q"]) + 1)
+        inputs["k"].copy_(torch.nn.functional.elu(inputs["k"]) + 1)
+    if per_head:
+        gen = torch.Generator().manual_seed(4)
+        inputs["g"] = torch.nn.functional.logsigmoid(torch.randn(B, H, T, 1, generator=gen) + 3).requires_grad_()
+    if state:
+        inputs["initial_state"] = (torch.rand(B, H, K, V + 1, generator=torch.Generator().manual_seed(2))).requires_grad_()
+
+    def reference(q, k, v, g, scale, initial_state):
+        return gla_parallel(q, k, ops.with_normalizer(v), g, scale, initial_state)
+
+    want = outputs_and_grads(reference, inputs)
+    got = outputs_and_grads(partial(chunk_gla_triton, chunk_size=16, normalizer=True), inputs)
+    assert got[0].shape[-1] == V + 1 and got[1].shape[-1] == V + 1
+    assert_all_close(got, want, rtol=1e-5, atol=1e-4)  # sums of positive features reach ~100
+
+
+def test_hybrid_model_runs_the_same_on_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window + sinks + Hedgehog GLA layer on the Triton kernels (the [K] normalizer mixed with the window's
+    terms, the fused Hedgehog map, the decoding step) gives the PyTorch forms' logits, cached steps and gradients."""
+    from conftest import make_tiny_linearize
+    from transformers import DynamicCache
+
+    settings = {"window": 8, "sink": 2, "feature_map": "hedgehog", "chunk_size": 16}
+    model = make_tiny_linearize(["linear_attention", "full_attention"], settings).train()
+    ids = torch.randint(2, 128, (2, 30), generator=torch.Generator().manual_seed(0))
+
+    def run() -> list[torch.Tensor]:
+        model.zero_grad()
+        logits = model(ids, use_cache=False).logits
+        logits.square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            steps = [model(ids[:, :27], cache=cache).logits[:, -1]]
+            steps += [model(ids[:, t : t + 1], cache=cache).logits[:, -1] for t in range(27, 30)]
+        return [logits.detach(), *steps, *grads]
+
+    monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
+    want = run()
+    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
+    got = run()
+    assert_all_close(got, want, rtol=1e-4, atol=1e-5)

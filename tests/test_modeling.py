@@ -678,7 +678,8 @@ def test_gate_starts_at_its_decay_range_in_a_converted_student(decay_init):
 
 
 def test_the_normalization_the_kernel_tests_check_is_the_one_the_model_ships(tiny_linearize, monkeypatch):
-    """Without a window the layer hands normalization to ops (normalize=True); with one it uses ops' own two steps."""
+    """The layer hands its normalizer to ops (normalize=True): divided there without a window; with one, undivided
+    terms come back (divide=False) to mix with the window's, and ops' own normalize_output divides."""
     from linearize.kernels import ops
     from linearize.modeling import modeling_linearize
 
@@ -686,12 +687,12 @@ def test_the_normalization_the_kernel_tests_check_is_the_one_the_model_ships(tin
     real = ops.gated_linear_attention
 
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("normalize", False))
+        calls.append((kwargs.get("normalize", False), kwargs.get("divide", True)))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(modeling_linearize, "gated_linear_attention", spy)
     ids = torch.randint(3, 100, (1, 12))
-    for window, expected in ((0, True), (4, False)):
+    for window, expected in ((0, (True, True)), (4, (True, False))):
         calls.clear()
         model = tiny_linearize(["linear_attention", "full_attention"], {"window": window})
         with torch.no_grad():
