@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .gla_torch import MIN_LOG_DECAY, gla_chunked, gla_parallel, gla_recurrent
+from .ops import with_normalizer
 
 if TYPE_CHECKING:
     from ..eval.kernel_bench import DecodeRow, PrefillRow
@@ -191,22 +192,43 @@ def _row(
     return CheckRow(kernel, dtype, T, K, V, gate, errors, TOLERANCE[dtype], passed, seconds)
 
 
-def check_chunk(plan: Plan, T: int, K: int, V: int, gate: str, device: torch.device) -> list[CheckRow]:
-    """The chunked kernel, forward and backward, in every check dtype against one fp64 reference."""
+def _with_normalizer_column(fn: Callable) -> Callable:
+    """fn on v's first V - 1 columns plus a column of ones: the normalizer as the PyTorch forms compute it."""
+
+    def run(q, k, v, g, scale, h0):
+        return fn(q, k, with_normalizer(v[..., :-1]), g, scale, h0)
+
+    return run
+
+
+def check_chunk(
+    plan: Plan, T: int, K: int, V: int, gate: str, device: torch.device, normalizer: bool = False
+) -> list[CheckRow]:
+    """The chunked kernel, forward and backward, in every check dtype against one fp64 reference.
+
+    With `normalizer` the kernel carries its [K] normalizer for V - 1 value columns, against the
+    reference run on a column of ones: outputs, states and cotangents keep V columns either way.
+    """
     from .gla_triton import chunk_gla_triton
 
     x = make_inputs(plan.check_heads, T, K, V, gate, device, seed=T * 1000 + K + V)
     scale = K**-0.5
     reference_fn = gla_parallel if T <= PARALLEL_MAX_T else gla_chunked
+    kernel, kernel_fn = "chunk", chunk_gla_triton
+    if normalizer:
+        kernel, reference_fn = "chunk/normalizer", _with_normalizer_column(reference_fn)
+
+        def kernel_fn(q, k, v, g, scale, h0):
+            return chunk_gla_triton(q, k, v[..., :-1], g, scale, h0, normalizer=True)
     # Computed once, on the first row's call: a reference that fails (out of memory, say) fails its rows.
     reference = cache(partial(_outputs_and_grads, reference_fn, x, torch.float64, scale))
 
     def run(dtype: torch.dtype) -> tuple[dict[str, float], float]:
         want = reference()
-        got, seconds = _timed(device, partial(_outputs_and_grads, chunk_gla_triton, x, dtype, scale))
+        got, seconds = _timed(device, partial(_outputs_and_grads, kernel_fn, x, dtype, scale))
         return {n: relative_error(got[n], want[n]) for n in want}, seconds
 
-    return [_row("chunk", name, T, K, V, gate, partial(run, dtype)) for name, dtype in CHECK_DTYPES.items()]
+    return [_row(kernel, name, T, K, V, gate, partial(run, dtype)) for name, dtype in CHECK_DTYPES.items()]
 
 
 @torch.no_grad()
@@ -229,14 +251,15 @@ def check_decode(plan: Plan, K: int, V: int, device: torch.device) -> list[Check
 
 def run_checks(plan: Plan, device: torch.device) -> list[CheckRow]:
     """Every shape of the plan with per-channel gates, per-head gates at the shortest T, and the decoding step."""
-    cases = [(T, K, V, "channel") for T in plan.seq_lens for K in plan.key_dims for V in plan.value_dims]
-    cases += [(min(plan.seq_lens), K, V, "head") for K in plan.key_dims for V in plan.value_dims]
+    cases = [(T, K, V, "channel", False) for T in plan.seq_lens for K in plan.key_dims for V in plan.value_dims]
+    cases += [(min(plan.seq_lens), K, V, "head", False) for K in plan.key_dims for V in plan.value_dims]
+    cases += [(min(plan.seq_lens), K, V, "channel", True) for K in plan.key_dims for V in plan.value_dims]
     decode = [(K, V) for K in plan.key_dims for V in plan.value_dims]
     rows: list[CheckRow] = []
     with tqdm(total=len(cases) + len(decode), desc="checks", disable=bool(os.environ.get("LINEARIZE_NO_PROGRESS"))) as bar:
-        for T, K, V, gate in cases:
-            bar.set_postfix(T=T, K=K, V=V, gate=gate)
-            rows.extend(check_chunk(plan, T, K, V, gate, device))
+        for T, K, V, gate, normalizer in cases:
+            bar.set_postfix(T=T, K=K, V=V, gate=gate, normalizer=normalizer)
+            rows.extend(check_chunk(plan, T, K, V, gate, device, normalizer))
             bar.update(1)
         for K, V in decode:
             bar.set_postfix(decode=f"K={K} V={V}")

@@ -44,10 +44,11 @@ def test_quick_check_passes_and_writes_its_report(tmp_path: Path, cli_env: dict[
     assert report["setup"]["mode"] == "quick"
 
     checks = report["correctness"]
-    assert {(c["kernel"], c["dtype"]) for c in checks} == {(k, d) for k in ("chunk", "recurrent") for d in ("fp32", "bf16")}
+    kernels = ("chunk", "chunk/normalizer", "recurrent")
+    assert {(c["kernel"], c["dtype"]) for c in checks} == {(k, d) for k in kernels for d in ("fp32", "bf16")}
     assert {c["gate"] for c in checks if c["kernel"] == "chunk"} == {"channel", "head"}
     assert all(c["passed"] and c["error"] is None for c in checks)
-    assert all(set(c["errors"]) == CHUNK_TENSORS for c in checks if c["kernel"] == "chunk")
+    assert all(set(c["errors"]) == CHUNK_TENSORS for c in checks if c["kernel"].startswith("chunk"))
     assert all(e < 1e-4 for c in checks if c["dtype"] == "fp32" for e in c["errors"].values())
     assert set(report["compile"]) == {"fp32", "bf16"}
 
