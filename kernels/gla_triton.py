@@ -81,6 +81,20 @@ def _and_scalar(mask, cond):
 
 
 @triton.jit
+def _chunk_dot(x, y, x_base, y_base, rows, m_t, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+               DT: tl.constexpr, PREC: tl.constexpr):
+    """x_rows . y_rows^T [BT, BT] for one chunk's rows of two [T, D] matrices, over D in blocks of BD."""
+    acc = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_d in range(tl.cdiv(D, BD)):
+        cd = i_d * BD + tl.arange(0, BD)
+        m = m_t[:, None] & (cd < D)[None, :]
+        b_x = tl.load(x + x_base + rows[:, None] * D + cd[None, :], mask=m, other=0.0)
+        b_y = tl.load(y + y_base + rows[:, None] * D + cd[None, :], mask=m, other=0.0)
+        acc = tl.dot(b_x.to(DT), tl.trans(b_y.to(DT)), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _chunk_cumsum_kernel(g, gc, T, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = i_n * BT + tl.arange(0, BT)
@@ -309,13 +323,7 @@ def _bwd_dscores_kernel(
     loc = tl.arange(0, BT)
     rows = i_n * BT + loc
     m_t = rows < T
-    acc = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        cv = i_v * BV + tl.arange(0, BV)
-        m = m_t[:, None] & (cv < V)[None, :]
-        b_do = tl.load(do + bhq * T * V + rows[:, None] * V + cv[None, :], mask=m, other=0.0)
-        b_v = tl.load(v + bh * T * V + rows[:, None] * V + cv[None, :], mask=m, other=0.0)
-        acc = tl.dot(b_do.to(DT), tl.trans(b_v.to(DT)), acc, input_precision=PREC)
+    acc = _chunk_dot(do, v, bhq * T * V, bh * T * V, rows, m_t, V, BT, BV, DT, PREC)
     if NORM:
         acc += tl.load(dden + bhq * T + rows, mask=m_t, other=0.0)[:, None]
     acc = tl.where(loc[:, None] >= loc[None, :], acc, 0.0)
@@ -559,13 +567,7 @@ def _intra_scores_scalar_kernel(
     loc = tl.arange(0, BT)
     rows = i_n * BT + loc
     m_t = rows < T
-    acc = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        ck = i_k * BK + tl.arange(0, BK)
-        m = m_t[:, None] & (ck < K)[None, :]
-        b_q = tl.load(q + bhq * T * K + rows[:, None] * K + ck[None, :], mask=m, other=0.0)
-        b_k = tl.load(k + bh * T * K + rows[:, None] * K + ck[None, :], mask=m, other=0.0)
-        acc = tl.dot(b_q.to(DT), tl.trans(b_k.to(DT)), acc, input_precision=PREC)
+    acc = _chunk_dot(q, k, bhq * T * K, bh * T * K, rows, m_t, K, BT, BK, DT, PREC)
     b_g = tl.load(gc + bh * T + rows, mask=m_t, other=0.0)
     causal = (loc[:, None] >= loc[None, :]) & m_t[None, :] & m_t[:, None]
     acc *= _masked_exp(b_g[:, None] - b_g[None, :], causal)

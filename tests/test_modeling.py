@@ -465,6 +465,43 @@ def test_cache_does_not_grow(kind):
     assert kv_bytes(long[2]) > 50 * kv_bytes(short[2]) > 0
 
 
+@pytest.mark.parametrize("kind", ["gla-sinks", "deltanet", "performer"])
+@torch.no_grad()
+def test_a_decoding_step_never_waits_on_the_device_and_keeps_its_state_buffer(kind):
+    """Once the prompt is in (sinks full), a decoding step of the linear layers reads no tensor value on the
+    host (no .item(), bool() or int() of a tensor: each is a device sync on CUDA) and updates the recurrent
+    state where the cache holds it (a static address, as CUDA graphs need)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    settings = {"window": 4, "sink": 2, "chunk_size": 16}
+    if kind == "deltanet":
+        settings.update(DELTA, conv_size=4)
+    if kind == "performer":
+        settings.update(kind="performer", feature_map="performer", sink=0)
+    model = make_model([LIN, LIN], settings, seed=5)  # all linear: positions come from the cache too
+    prompt = random_ids(2, 12, seed=3)
+    cache = DynamicCache(config=model.config)
+    model(prompt, attention_mask=torch.ones_like(prompt), cache=cache)
+    memory = cache.layers[0].recurrent_states[STATES["memory"]]
+    address = memory.data_ptr()
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    mask = torch.ones(2, 13, dtype=torch.long)
+    with HostReads() as mode:
+        model(random_ids(2, 1, seed=4), attention_mask=mask, cache=cache)
+    assert mode.reads == []
+    assert cache.layers[0].recurrent_states[STATES["memory"]].data_ptr() == address
+
+
 # ----------------------------------------------------------------------------------------------
 # 6. teachers in memory swap exactly (every family: tests/test_families.py)
 
