@@ -330,9 +330,16 @@ def update_sinks(
 def tokens_seen(layer: LinearAttentionCacheLayerMixin | None) -> int:
     """Tokens (padding included) a linear layer's cache has taken in: the same for every row.
 
-    A Python int on the cache layer (`linearize_seen`), so positions never need a host sync.
+    A Python int on the cache layer (`linearize_seen`), so positions never need a host sync. It
+    counts only while the layer `has_previous_state` (its memory slot's flag, which the layer sets
+    after each step and `cache.reset()` clears): a reset cache starts again at position 0.
     """
-    return getattr(layer, "linearize_seen", 0)
+    return getattr(layer, "linearize_seen", 0) if has_state(layer) else 0
+
+
+def has_state(layer: LinearAttentionCacheLayerMixin | None) -> bool:
+    """Whether a linear layer's cache holds a step (not fresh, not reset)."""
+    return layer is not None and layer.has_previous_state[STATES["memory"]]
 
 
 class LinearAttention(nn.Module):
@@ -584,6 +591,7 @@ class LinearAttention(nn.Module):
         k_feat, v = payload[:2]
         if layer is not None:
             layer.linearize_seen = start + T
+            layer.has_previous_state[STATES["memory"]] = True
         keep = valid[:, None, :, None]
         v = v * keep
         if g is not None:
@@ -675,7 +683,7 @@ class LinearAttention(nn.Module):
         if cache is None:
             return None
         layer, index = cache.layers[self.layer_idx], STATES[name]
-        return layer.recurrent_states[index] if layer.is_recurrent_states_initialized[index] else None
+        return layer.recurrent_states[index] if has_state(layer) and layer.is_recurrent_states_initialized[index] else None
 
     def _store(self, cache: Cache | None, name: str, value: torch.Tensor) -> None:
         if cache is not None:
@@ -697,8 +705,7 @@ class LinearAttention(nn.Module):
         if layer is not None:
             self._store(cache, "sink_kv", torch.cat(sinks[:2], dim=-1))
             self._store(cache, "sink_positions", sinks[2])
-            if bool((sinks[2] >= 0).all()):
-                layer.linearize_last_sink = int(sinks[2].max())
+            layer.linearize_last_sink = int(sinks[2].max()) if bool((sinks[2] >= 0).all()) else None
         return sinks
 
 

@@ -502,6 +502,30 @@ def test_a_decoding_step_never_waits_on_the_device_and_keeps_its_state_buffer(ki
     assert cache.layers[0].recurrent_states[STATES["memory"]].data_ptr() == address
 
 
+@pytest.mark.parametrize("kind", ["gla-sinks", "deltanet", "performer"])
+@torch.no_grad()
+def test_a_reset_cache_starts_over(kind):
+    """cache.reset() (how generate reuses a cache) zeros the buffers in place; the linear layers then start a new
+    sequence at position 0, with empty sinks, window and state, as with a fresh cache."""
+    settings = {"window": 4, "sink": 2, "chunk_size": 16}
+    if kind == "deltanet":
+        settings.update(DELTA, conv_size=4)
+    if kind == "performer":
+        settings.update(kind="performer", feature_map="performer", sink=0)
+    model = make_model([LIN, LIN], settings, seed=5)
+
+    def run(cache) -> torch.Tensor:
+        logits = [model(random_ids(2, 9, seed=1), cache=cache).logits]
+        logits += [model(random_ids(2, 1, seed=2 + t), cache=cache).logits for t in range(3)]
+        return torch.cat(logits, dim=1)
+
+    cache = DynamicCache(config=model.config)
+    first = run(cache)
+    model(random_ids(2, 7, seed=9), cache=cache)  # more tokens, then start over
+    cache.reset()
+    torch.testing.assert_close(run(cache), first)
+
+
 # ----------------------------------------------------------------------------------------------
 # 6. teachers in memory swap exactly (every family: tests/test_families.py)
 
