@@ -525,9 +525,14 @@ def _bwd_inter_kernel(
 def _fused_recurrent_kernel(
     q, k, v, g, h0, o, ht, scale, T,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, HAS_H0: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
+    USE_G: tl.constexpr, HAS_H0: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr, NORM: tl.constexpr,
+    SV: tl.constexpr,
 ):
-    """Token-by-token update of one value block of one key/value head's state; ht may alias h0."""
+    """Token-by-token update of one value block of one key/value head's state; ht may alias h0.
+
+    States and outputs have rows of SV = V (+ 1 with NORM: the first value block then also carries the
+    normalizer z [K] in the state's last column, and writes q.z into the output's last column).
+    """
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     bh = i_bh.to(tl.int64)
     b, h = bh // H, bh % H
@@ -535,23 +540,33 @@ def _fused_recurrent_kernel(
     cv = i_v * BV + tl.arange(0, BV)
     m_k, m_v = ck < K, cv < V
     m_kv = m_k[:, None] & m_v[None, :]
-    kv_offs = ck[:, None] * V + cv[None, :]
+    kv_offs = ck[:, None] * SV + cv[None, :]
+    norm = NORM and i_v == 0
     state = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
     if HAS_H0:
-        state += tl.load(h0 + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
+        state += tl.load(h0 + bh * K * SV + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
+        if norm:
+            z += tl.load(h0 + bh * K * SV + ck * SV + V, mask=m_k, other=0.0).to(tl.float32)
     for t in range(T):
         b_k = tl.load(k + (bh * T + t) * K + ck, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(v + (bh * T + t) * V + cv, mask=m_v, other=0.0).to(tl.float32)
         if USE_G:
             b_g = tl.load(g + (bh * T + t) * GK + ck * GS, mask=m_k, other=0.0).to(tl.float32)
             state *= tl.exp(b_g)[:, None]
+            z *= tl.exp(b_g)
         state += b_k[:, None] * b_v[None, :]
+        z += b_k
         for i_g in range(G):
             hq = b * H * G + h * G + i_g
             b_q = tl.load(q + (hq * T + t) * K + ck, mask=m_k, other=0.0).to(tl.float32) * scale
             b_o = tl.sum(b_q[:, None] * state, axis=0)
-            tl.store(o + (hq * T + t) * V + cv, b_o.to(o.dtype.element_ty), mask=m_v)
-    tl.store(ht + bh * K * V + kv_offs, state.to(ht.dtype.element_ty), mask=m_kv)
+            tl.store(o + (hq * T + t) * SV + cv, b_o.to(o.dtype.element_ty), mask=m_v)
+            if norm:
+                tl.store(o + (hq * T + t) * SV + V, tl.sum(b_q * z, axis=0).to(o.dtype.element_ty))
+    tl.store(ht + bh * K * SV + kv_offs, state.to(ht.dtype.element_ty), mask=m_kv)
+    if norm:
+        tl.store(ht + bh * K * SV + ck * SV + V, z.to(ht.dtype.element_ty), mask=m_k)
 
 
 @triton.jit
@@ -905,34 +920,38 @@ def fused_recurrent_gla_triton(
     inplace: bool = True,
     *,
     state_dtype: torch.dtype = torch.float32,
+    normalizer: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoding step(s): (o in q.dtype, final state in state_dtype), one fused kernel over the tokens.
 
     With `inplace` and a contiguous `initial_state` already in `state_dtype`, that tensor is updated
     and returned, so a cache keeps its buffer (as `gla_torch.gla_recurrent` does on CPU). When
     autograd needs gradients the chunked kernel runs instead (same math, differentiable, never in place).
+    `normalizer` as for `chunk_gla_triton`: the [K] normalizer in the state's and the output's last column.
     """
-    _check(q, k, v, g, initial_state)
+    _check(q, k, v, g, initial_state, extra=int(normalizer))
     _check_state_dtype(state_dtype)
     tracked = (q, k, v, g, initial_state)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tracked):
-        return chunk_gla_triton(q, k, v, g, scale, initial_state, state_dtype=state_dtype)
+        return chunk_gla_triton(q, k, v, g, scale, initial_state, state_dtype=state_dtype, normalizer=normalizer)
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
+    SV = V + int(normalizer)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = None if g is None else g.contiguous()
-    o = torch.empty(B, HQ, T, V, device=q.device, dtype=q.dtype)
+    o = torch.empty(B, HQ, T, SV, device=q.device, dtype=q.dtype)
     reuse = inplace and initial_state is not None and initial_state.dtype == state_dtype and initial_state.is_contiguous()
     if reuse:
         ht, h0 = initial_state, initial_state
     else:
-        ht = torch.empty(B, H, K, V, device=q.device, dtype=state_dtype)
+        ht = torch.empty(B, H, K, SV, device=q.device, dtype=state_dtype)
         h0 = None if initial_state is None else initial_state.contiguous()
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), max(16, 8192 // BK))
     with _device_guard(q):
         _fused_recurrent_kernel[(triton.cdiv(V, BV), B * H)](
             q, k, v, k if g is None else g, ht if h0 is None else h0, o, ht, float(scale), T,
-            H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None, HAS_H0=h0 is not None, **_decay_strides(g),
+            H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None, HAS_H0=h0 is not None, NORM=normalizer,
+            SV=SV, **_decay_strides(g),
         )
     return o, ht

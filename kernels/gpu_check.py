@@ -232,21 +232,27 @@ def check_chunk(
 
 
 @torch.no_grad()
-def check_decode(plan: Plan, K: int, V: int, device: torch.device) -> list[CheckRow]:
-    """One fused decoding step from a state, in every check dtype, against the fp64 recurrence."""
+def check_decode(plan: Plan, K: int, V: int, device: torch.device, normalizer: bool = False) -> list[CheckRow]:
+    """One fused decoding step from a state, in every check dtype, against the fp64 recurrence
+    (with `normalizer`: the [K] normalizer for V - 1 value columns, as in `check_chunk`)."""
     from .gla_triton import fused_recurrent_gla_triton
 
     x = make_inputs(plan.check_heads, 1, K, V, "channel", device, seed=K + V)
     scale = K**-0.5
-    args = [x[n].double() for n in ("q", "k", "v", "g")]
-    want = dict(zip(("o", "ht"), gla_recurrent(*args, scale, x["h0"].double())))
+    q, k, v, g = (x[n].double() for n in ("q", "k", "v", "g"))
+    reference = _with_normalizer_column(gla_recurrent) if normalizer else gla_recurrent
+    want = dict(zip(("o", "ht"), reference(q, k, v, g, scale, x["h0"].double())))
+    kernel = "recurrent/normalizer" if normalizer else "recurrent"
 
     def run(dtype: torch.dtype) -> tuple[dict[str, float], float]:
-        inputs = [x[n].to(dtype) for n in ("q", "k", "v", "g")]
-        got, seconds = _timed(device, partial(fused_recurrent_gla_triton, *inputs, scale, x["h0"].clone()))
+        q, k, v, g = (x[n].to(dtype) for n in ("q", "k", "v", "g"))
+        if normalizer:
+            v = v[..., :-1]
+        step = partial(fused_recurrent_gla_triton, q, k, v, g, scale, x["h0"].clone(), normalizer=normalizer)
+        got, seconds = _timed(device, step)
         return {"o": relative_error(got[0], want["o"]), "ht": relative_error(got[1], want["ht"])}, seconds
 
-    return [_row("recurrent", name, 1, K, V, "channel", partial(run, dtype)) for name, dtype in CHECK_DTYPES.items()]
+    return [_row(kernel, name, 1, K, V, "channel", partial(run, dtype)) for name, dtype in CHECK_DTYPES.items()]
 
 
 def run_checks(plan: Plan, device: torch.device) -> list[CheckRow]:
@@ -264,6 +270,7 @@ def run_checks(plan: Plan, device: torch.device) -> list[CheckRow]:
         for K, V in decode:
             bar.set_postfix(decode=f"K={K} V={V}")
             rows.extend(check_decode(plan, K, V, device))
+            rows.extend(check_decode(plan, K, V, device, normalizer=True))
             bar.update(1)
     return rows
 

@@ -72,20 +72,22 @@ def gated_linear_attention(
     output is divided by `q^T z`; pass that same state back as `initial_state` to continue. With
     `divide` off the output keeps the terms undivided, [num | q^T z], for a caller that mixes in other
     terms first (the softmax window) and then calls `normalize_output`. The PyTorch forms get the
-    normalizer as a column of ones on v (`with_normalizer`); the Triton chunked kernels carry it as a
-    [K] vector beside the state, in the same layout.
+    normalizer as a column of ones on v (`with_normalizer`); the Triton kernels (chunked and step) carry
+    it as a [K] vector beside the state, in the same layout.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
     backend = kernel_backend(q.device)
-    vector_normalizer = backend == "triton" and mode == "chunk"  # the kernels carry z themselves
+    vector_normalizer = backend == "triton" and mode != "parallel"  # the Triton kernels carry z themselves
     if normalize and not vector_normalizer:
         v = with_normalizer(v)
     if mode == "parallel":
         o, state = gla_parallel(q, k, v, g, scale, initial_state)
     elif backend == "triton":
         if mode == "recurrent":
-            o, state = fused_recurrent_gla_triton(q, k, v, g, scale, initial_state, state_dtype=state_dtype)
+            o, state = fused_recurrent_gla_triton(
+                q, k, v, g, scale, initial_state, state_dtype=state_dtype, normalizer=normalize
+            )
         else:
             o, state = chunk_gla_triton(
                 q, k, v, g, scale, initial_state, chunk_size, state_dtype=state_dtype, normalizer=normalize

@@ -44,7 +44,7 @@ def test_quick_check_passes_and_writes_its_report(tmp_path: Path, cli_env: dict[
     assert report["setup"]["mode"] == "quick"
 
     checks = report["correctness"]
-    kernels = ("chunk", "chunk/normalizer", "recurrent")
+    kernels = ("chunk", "chunk/normalizer", "recurrent", "recurrent/normalizer")
     assert {(c["kernel"], c["dtype"]) for c in checks} == {(k, d) for k in kernels for d in ("fp32", "bf16")}
     assert {c["gate"] for c in checks if c["kernel"] == "chunk"} == {"channel", "head"}
     assert all(c["passed"] and c["error"] is None for c in checks)

@@ -444,3 +444,20 @@ def test_hybrid_model_runs_the_same_on_triton(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
     got = run()
     assert_all_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", RECURRENT_CASES.values(), ids=RECURRENT_CASES.keys())
+def test_decoding_step_carries_the_normalizer_vector(case: tuple) -> None:
+    """The fused step's [K] normalizer equals the recurrence on a column of ones, its state updated in place."""
+    B, HQ, H, T, K, V, decay, state = case
+    inputs = make_inputs(B, HQ, H, T, K, V, decay=decay, state=False)
+    q, k, v, g = (None if x is None else x.detach() for x in list(inputs.values())[:4])
+    h0 = torch.rand(B, H, K, V + 1, generator=torch.Generator().manual_seed(6)) if state else None
+    want_o, want_h = gla_recurrent(q, k, ops.with_normalizer(v), g, 0.7, h0, inplace=False)
+    cached = None if h0 is None else h0.clone()
+    with torch.no_grad():
+        o, h = fused_recurrent_gla_triton(q, k, v, g, 0.7, cached, normalizer=True)
+    torch.testing.assert_close(o, want_o, **TOL)
+    torch.testing.assert_close(h, want_h, **TOL)
+    if cached is not None:
+        assert h is cached
