@@ -65,7 +65,23 @@ def _tuned(kernel, key: list[str], tiles: tuple[str, ...] = ()):
         return kernel
     sizes = [dict(zip(tiles, combo)) for combo in itertools.product(TILES, repeat=len(tiles))]
     configs = [triton.Config(size, num_warps=w, num_stages=s) for size in sizes for w in (2, 4, 8) for s in (1, 2)]
-    return triton.autotune(configs=configs, key=key)(kernel)
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": _fitting_tiles})(kernel)
+
+
+def _fitting_tiles(configs: list, named_args: dict, **kwargs) -> list:
+    """Drop tiles wider than their head dimension rounded up to a power of two (at least the smallest tile):
+    they only add masked work, and every config left costs a compile and a timing run."""
+    dims = {**named_args, **kwargs}
+    spans = {"BK": "K", "BV": "V"}  # the dimension each tile covers
+
+    def fits(config) -> bool:
+        return all(
+            size <= max(TILES[0], triton.next_power_of_2(dims[spans[tile]]))
+            for tile, size in config.kwargs.items()
+            if tile in spans
+        )
+
+    return [c for c in configs if fits(c)] or configs[:1]
 
 
 @triton.jit

@@ -201,6 +201,8 @@ def test_autotuner_searches_tiles_and_warps(monkeypatch: pytest.MonkeyPatch) -> 
     tiles = {(c.kwargs["BK"], c.kwargs["BV"]) for c in tuner.configs}
     assert tiles == {(a, b) for a in gla_triton.TILES for b in gla_triton.TILES}
     assert {c.num_warps for c in tuner.configs} == {2, 4, 8}
+    kept = gla_triton._fitting_tiles(tuner.configs, {}, K=64, V=20)
+    assert {(c.kwargs["BK"], c.kwargs["BV"]) for c in kept} == {(32, 32), (64, 32)}, "no tile wider than it needs"
 
 
 RECURRENT_CASES = {
