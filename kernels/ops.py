@@ -1,9 +1,9 @@
 """The one dispatch point between the model and the kernels.
 
 `gated_linear_attention` (GLA) and `gated_delta_rule` (Gated DeltaNet) run here. GLA picks Triton on CUDA tensors and PyTorch everywhere else;
-`LINEARIZE_KERNELS=triton|torch` forces either. The normalizer is the same kernel run on `v`
-with a column of ones appended: that column of the state is `z`, so the output and its
-normalizer come from one pass.
+`LINEARIZE_KERNELS=triton|torch` forces either. The normalizer z (the sum of decayed keys) lives in
+the state's last column on every backend: the PyTorch forms run on `v` with a column of ones
+appended, the Triton kernels carry z as a [K] vector, so the output and its normalizer come from one pass.
 """
 
 from __future__ import annotations
