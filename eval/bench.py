@@ -42,6 +42,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
+from .kernel_bench import sync
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384)
@@ -138,11 +140,6 @@ class PeakMemory:
         self.peak_bytes = max(0, peak - self._base)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -161,10 +158,10 @@ def read_bandwidth(device: torch.device, repeats: int = 5) -> float:
     buffer = torch.ones(BANDWIDTH_BUFFER_BYTES // 4, device=device)
     best = float("inf")
     for _ in range(repeats + 1):  # the first touches the pages
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         buffer.sum()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - start)
     return BANDWIDTH_BUFFER_BYTES / best
 
@@ -252,13 +249,13 @@ def bench_model(
         ).to(device)
         try:
             with PeakMemory(device) as mem:
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 token, cache = runner.prefill(ids)
-                _sync(device)
+                sync(device)
                 t1 = time.perf_counter()
                 cache = runner.decode(token, cache, decode_tokens)
-                _sync(device)
+                sync(device)
                 t2 = time.perf_counter()
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
             if (

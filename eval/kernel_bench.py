@@ -50,7 +50,8 @@ class DecodeRow:
     cache_bytes: int
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device: timings must cover the work, not only its launch."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -70,10 +71,10 @@ def time_calls(
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for name in order:
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         fns[name]()
-        _sync(device)
+        sync(device)
         times[name].append(time.perf_counter() - start)
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 

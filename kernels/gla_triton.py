@@ -97,6 +97,12 @@ def _and_scalar(mask, cond):
 
 
 @triton.jit
+def _kv_head(bhq, H: tl.constexpr, G: tl.constexpr):
+    """The key/value head (batch * H + h) that query head bhq (batch * H * G + h * G + g) reads (GQA)."""
+    return (bhq // (H * G)) * H + (bhq % (H * G)) // G
+
+
+@triton.jit
 def _chunk_dot(x, y, x_base, y_base, rows, m_t, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                DT: tl.constexpr, PREC: tl.constexpr):
     """x_rows . y_rows^T [BT, BT] for one chunk's rows of two [T, D] matrices, over D in blocks of BD."""
@@ -181,7 +187,7 @@ def _intra_scores_kernel(
     i_n, i_c, i_bhq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_i, i_j = i_c // NC, i_c % NC
     bhq = i_bhq.to(tl.int64)
-    bh = (bhq // (H * G)) * H + (bhq % (H * G)) // G
+    bh = _kv_head(bhq, H, G)
     row0 = i_n * BT + i_i * BC
     col0 = i_n * BT + i_j * BC
     if row0 >= T:
@@ -240,7 +246,7 @@ def _fwd_output_kernel(
     """
     i_v, i_n, i_bhq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bhq = i_bhq.to(tl.int64)
-    bh = (bhq // (H * G)) * H + (bhq % (H * G)) // G
+    bh = _kv_head(bhq, H, G)
     rows = i_n * BT + tl.arange(0, BT)
     cv = i_v * BV + tl.arange(0, BV)
     m_t, m_v = rows < T, cv < V
@@ -335,7 +341,7 @@ def _bwd_dscores_kernel(
     """dA[i, j] = do_i . v_j (+ dden_i, the normalizer's share) on the causal part of each chunk."""
     i_n, i_bhq = tl.program_id(0), tl.program_id(1)
     bhq = i_bhq.to(tl.int64)
-    bh = (bhq // (H * G)) * H + (bhq % (H * G)) // G
+    bh = _kv_head(bhq, H, G)
     loc = tl.arange(0, BT)
     rows = i_n * BT + loc
     m_t = rows < T
@@ -594,7 +600,7 @@ def _intra_scores_scalar_kernel(
     """One decay per head: a chunk's causal scores in one masked dot, A = scale (q k^T) * exp(gc_i - gc_j)."""
     i_n, i_bhq = tl.program_id(0), tl.program_id(1)
     bhq = i_bhq.to(tl.int64)
-    bh = (bhq // (H * G)) * H + (bhq % (H * G)) // G
+    bh = _kv_head(bhq, H, G)
     loc = tl.arange(0, BT)
     rows = i_n * BT + loc
     m_t = rows < T

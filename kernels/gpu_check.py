@@ -166,12 +166,12 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
     """fn() and its wall time in seconds, the device synchronized around it."""
-    from ..eval.kernel_bench import _sync
+    from ..eval.kernel_bench import sync
 
-    _sync(device)
+    sync(device)
     started = time.perf_counter()
     result = fn()
-    _sync(device)
+    sync(device)
     return result, time.perf_counter() - started
 
 

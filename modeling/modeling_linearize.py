@@ -577,14 +577,15 @@ class LinearAttention(nn.Module):
             extras_all = iter(window_kv[..., 2 * D :].split([x.shape[-1] for x in extras], dim=-1))
             payload = [k_all if x is k else v_all if x is v else next(extras_all) for x in payload]
             sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None
+            # Every sink full and older than the oldest token leaving the window: all visible, none entering.
             last_sink = getattr(layer, "linearize_last_sink", None)
-            sinks_visible = last_sink is not None and last_sink <= start - self.window
+            sinks_behind = last_sink is not None and last_sink < start - self.window
             window_terms = window_softmax_terms(
-                q, k_all, v_all, key_valid, self.window, self.scaling, sinks, positions, sinks_visible
+                q, k_all, v_all, key_valid, self.window, self.scaling, sinks, positions, sinks_behind
             )
             payload = [shift_into_state(x, T, self.window) for x in payload]
             valid = shift_into_state(key_valid, T, self.window, dim=1)
-            if self.sink and not (last_sink is not None and last_sink < start - self.window):
+            if self.sink and not sinks_behind:
                 # Sinks stay in the softmax part for good: they never enter the linear state.
                 entering = (positions - self.window).to(sinks[2].dtype)
                 valid = valid & ~(entering[None, :, None] == sinks[2][:, None, :]).any(-1)
