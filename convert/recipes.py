@@ -72,6 +72,9 @@ class Stage:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     loss: str = "mse"  # transfer: mse; finetune: kl | ce
+    # transfer: position t of a T-token row weighs 1 + late_weight * t / T in the MSE (0: uniform), so
+    # the fit leans toward late positions, where the state holds the most context
+    late_weight: float = 0.0
     lora_rank: int = 8
     lora_alpha: int = 16
     lora_targets: list[str] = field(default_factory=list)  # empty: the attention's own projections, per family
@@ -188,6 +191,8 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
         raise ValueError("recipe key 'transfer.loss' must be 'mse' (attention transfer matches outputs)")
     if recipe.finetune.loss not in ("kl", "ce"):
         raise ValueError(f"recipe key 'finetune.loss' must be 'kl' or 'ce', got {recipe.finetune.loss!r}")
+    if recipe.finetune.late_weight:
+        raise ValueError("recipe key 'finetune.late_weight' has no effect: position weighting is stage 1's, set 'transfer.late_weight'")
     if recipe.finetune.lora_layers not in ("linear", "all"):
         raise ValueError(f"recipe key 'finetune.lora_layers' must be 'linear' or 'all', got {recipe.finetune.lora_layers!r}")
     if recipe.layers.placement not in ("spread", "top", "measured"):
@@ -212,6 +217,7 @@ LIMITS = {
     "transfer.checkpoint_every": (1, "--checkpoint-every"),
     "finetune.checkpoint_every": (1, "--checkpoint-every"),
     "transfer.warmup_steps": (0, None),
+    "transfer.late_weight": (0, None),
     "finetune.warmup_steps": (0, None),
     "transfer.weight_decay": (0, None),
     "finetune.weight_decay": (0, None),

@@ -360,20 +360,24 @@ def linear_layers(model: torch.nn.Module) -> list[LinearAttention]:
 
 
 @contextmanager
-def transfer_mode(model: torch.nn.Module, recompute: bool = False) -> Iterator[list[LinearAttention]]:
+def transfer_mode(
+    model: torch.nn.Module, recompute: bool = False, late_weight: float = 0.0
+) -> Iterator[list[LinearAttention]]:
     """Linear layers compute, record and pass on the teacher's softmax output while inside.
 
     With `recompute`, each layer's linear path is recomputed in backward instead of kept: every layer's
-    loss is local to it, so activations drop from all linear layers' to one layer's.
+    loss is local to it, so activations drop from all linear layers' to one layer's. `late_weight`
+    tilts each layer's MSE toward late positions (`LinearAttention.transfer_late_weight`).
     """
     layers = linear_layers(model)
     for layer in layers:
-        layer.transfer, layer.checkpoint_linear = True, recompute
+        layer.transfer, layer.checkpoint_linear, layer.transfer_late_weight = True, recompute, late_weight
     try:
         yield layers
     finally:
         for layer in layers:
             layer.transfer, layer.transfer_loss, layer.checkpoint_linear = False, None, False
+            layer.transfer_late_weight = 0.0
 
 
 def attention_transfer(
@@ -391,7 +395,7 @@ def attention_transfer(
     layer_sums: dict[int, list[float]] = {}
     recompute, per_pass, _ = transfer_memory_plan(student, stage, weight_bytes(student))
 
-    with transfer_mode(student, recompute) as layers:
+    with transfer_mode(student, recompute, stage.late_weight) as layers:
 
         def step_loss(backbone: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
             backbone(input_ids=batch, use_cache=False)

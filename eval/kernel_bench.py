@@ -202,7 +202,7 @@ def bench_decode(args: argparse.Namespace, device: torch.device, dtype: torch.dt
             )
         rows.append(DecodeRow(T, f"gla-recurrent/{kernel_backend(device)}", ms["gla"], state.numel() * state.element_size()))
         rows.append(DecodeRow(T, "sdpa-kv-cache", ms["sdpa"], 2 * B * H * (T + 1) * D * dtype.itemsize))
-        del x, past, state
+        del x, past
     return rows
 
 

@@ -342,6 +342,19 @@ def has_state(layer: LinearAttentionCacheLayerMixin | None) -> bool:
     return layer is not None and layer.has_previous_state[STATES["memory"]]
 
 
+def transfer_mse(out: torch.Tensor, teacher: torch.Tensor, late_weight: float = 0.0) -> torch.Tensor:
+    """Attention transfer's MSE over [B, T, hidden]; with `late_weight` w, position t of T weighs 1 + w * t / T.
+
+    The weights are scaled to mean 1, so the loss stays on the uniform MSE's scale.
+    """
+    if not late_weight:
+        return F.mse_loss(out.float(), teacher.float())
+    T = out.shape[1]
+    weight = 1 + late_weight * torch.arange(T, device=out.device, dtype=torch.float32) / T
+    per_position = (out.float() - teacher.float()).pow(2).mean(dim=(0, 2))
+    return (per_position * weight).sum() / weight.sum()
+
+
 class LinearAttention(nn.Module):
     """Linear attention on the teacher's projections: GLA or Performer, optionally with a softmax window.
 
@@ -396,6 +409,7 @@ class LinearAttention(nn.Module):
         self.form: str | None = None
         self.transfer = False
         self.transfer_loss: torch.Tensor | None = None
+        self.transfer_late_weight = 0.0  # > 0: the transfer MSE weighs position t of T by 1 + w * t / T
         self.teacher_attention = False  # run the teacher's softmax instead (training's KL target, the teacher's scores)
         self.checkpoint_linear = False  # recompute the linear path in backward (stage 1 on long or many rows)
         D = self.head_dim
@@ -517,7 +531,7 @@ class LinearAttention(nn.Module):
         if self.transfer:
             with torch.no_grad():
                 teacher, _ = self._softmax(hidden_states, position_embeddings, attention_mask, kwargs)
-            self.transfer_loss = F.mse_loss(out.float(), teacher.float())
+            self.transfer_loss = transfer_mse(out, teacher, self.transfer_late_weight)
             out = teacher
         return out, None
 

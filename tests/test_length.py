@@ -101,3 +101,22 @@ def test_lora_on_every_layer_adapts_the_softmax_layers_too(tiny_llama_dir, tiny_
     assert "(0|1|2|3)" in wrapped[0].target_modules
     with pytest.raises(ValueError, match="finetune.lora_layers"):
         parse_recipe({"finetune": {"lora_layers": "some"}})
+
+
+def test_late_weight_reaches_every_linear_layer_for_the_stage_only(tiny_llama_dir, tiny_tokenizer, monkeypatch):
+    from linearize.modeling import modeling_linearize
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    settings = {**Recipe().linear_attention(), "window": 16, "sink": 2}
+    student = linearize_model(teacher, plan_layers(4, linear_layers=[0, 1, 3]), settings, "tiny")
+    seen = []
+    real = modeling_linearize.transfer_mse
+    monkeypatch.setattr(modeling_linearize, "transfer_mse", lambda out, ref, w=0.0: seen.append(w) or real(out, ref, w))
+    stage = dataclasses.replace(Recipe().transfer, tokens=128, seq_len=64, batch_size=2, late_weight=2.0)
+    attention_transfer(student, _stage_data(stage, tiny_tokenizer, seed=0), stage, Accelerator(cpu=True), None)
+    assert seen and len(seen) % 3 == 0 and set(seen) == {2.0}  # every linear layer, every pass
+    assert {m.transfer_late_weight for m in student.modules() if hasattr(m, "transfer_late_weight")} == {0.0}
+    with pytest.raises(ValueError, match="transfer.late_weight"):
+        parse_recipe({"transfer": {"late_weight": -1}})
+    with pytest.raises(ValueError, match="transfer.late_weight"):
+        parse_recipe({"finetune": {"late_weight": 1.0}})

@@ -30,7 +30,7 @@ from linearize.convert.swap import check_supported, linearize_model
 from linearize.modeling.configuration_linearize import STATES, LinearizeConfig
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from linearize.modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
+from linearize.modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM, transfer_mse
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -582,6 +582,21 @@ def test_transfer_mode_passes_the_teacher_output_on():
     for module in linear:
         module.transfer = False
     assert not torch.allclose(student(ids, attention_mask=mask).logits[valid], got, atol=1e-3)
+
+
+def test_transfer_mse_leans_toward_late_positions():
+    """`late_weight` 0 is the plain MSE; above 0 an error at the end counts more than the same error at the start."""
+    teacher = torch.randn(2, 10, 6)
+    early, late = teacher.clone(), teacher.clone()
+    early[:, 1] += 1.0
+    late[:, 8] += 1.0
+    torch.testing.assert_close(transfer_mse(early, teacher), F.mse_loss(early, teacher))
+    torch.testing.assert_close(transfer_mse(early, teacher, 0.0), transfer_mse(late, teacher, 0.0))
+    weights = 1 + 3.0 * torch.arange(10) / 10
+    torch.testing.assert_close(transfer_mse(late, teacher, 3.0), F.mse_loss(late, teacher) * 10 * weights[8] / weights.sum())
+    assert transfer_mse(late, teacher, 3.0) > transfer_mse(early, teacher, 3.0)
+    uniform = torch.full_like(teacher, 0.5)
+    torch.testing.assert_close(transfer_mse(teacher + uniform, teacher, 3.0), F.mse_loss(teacher + uniform, teacher))
 
 
 @pytest.mark.parametrize("plan", ["linear", "window"])
