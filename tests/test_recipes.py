@@ -41,7 +41,7 @@ def test_shipped_smollm2_recipe_fields():
     recipe = load_recipe("smollm2-gla")
     assert recipe.model == EMBEDDED
     assert recipe.layers.ratio == "3:1" and recipe.layers.placement == "measured" and recipe.layers.keep_softmax == []
-    assert recipe.attention.kind == "gla" and recipe.attention.window == 64 and recipe.attention.sink == 4
+    assert recipe.attention.kind == "gla" and recipe.attention.window == 512 and recipe.attention.sink == 4
     assert recipe.transfer.lr == pytest.approx(0.01) and isinstance(recipe.transfer.lr, float)
     assert recipe.finetune.loss == "kl" and recipe.finetune.lora_targets == ["q_proj", "k_proj", "v_proj", "o_proj"]
     perf = load_recipe("smollm2-performer")
@@ -258,7 +258,7 @@ def test_a_model_without_a_recipe_gets_the_proven_method(tiny_llama_dir):
     recipe = default_recipe(str(tiny_llama_dir))
     proven = shipped_recipes()["smollm2-gla"]
     assert recipe.name == "generic" and recipe.model == str(tiny_llama_dir)
-    assert (recipe.attention.window, recipe.attention.sink) == (proven.attention.window, proven.attention.sink) == (64, 4)
+    assert (recipe.attention.window, recipe.attention.sink) == (proven.attention.window, proven.attention.sink) == (512, 4)
     assert recipe.layers.placement == "measured" and recipe.layers.measured is None
     assert recipe.transfer.tokens == proven.transfer.tokens and recipe.finetune.tokens > 0
     assert recipe.finetune.lora_targets == []  # the family's own projections, whatever their names
