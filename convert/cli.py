@@ -20,6 +20,7 @@ EXAMPLES = """examples:
   linearize --model meta-llama/Llama-3.2-1B --recipe llama-3.2-1b-gla --output out/llama1b
   linearize --model ./my-model --linear-layers 0,1,2,4 --transfer-tokens 100000 --finetune-tokens 0
   accelerate launch --multi_gpu --num_processes 2 --num_machines 1 -m linearize --model llama --output out/ddp
+  accelerate launch --multi_gpu --num_processes 2 --num_machines 1 -m linearize --model llama --fsdp --output out/fsdp
   linearize eval out/smollm2 --limit 200        linearize bench out/smollm2 --contexts 1024,4096
 """
 
@@ -90,6 +91,12 @@ def convert_parser() -> argparse.ArgumentParser:
     tr.add_argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints")
     tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto: fp32 on CPU, bf16 on GPU")
     tr.add_argument("--seed", type=int)
+    tr.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the weights over the processes while training (FSDP2); under a multi-process launch, "
+        "e.g. accelerate launch --multi_gpu --num_processes 2 -m linearize --fsdp (accelerate's --use_fsdp on GPUs turns it on too)",
+    )
     out = p.add_argument_group("report")
     out.add_argument("--heldout-tokens", type=int, help="tokens of the held-out slice scored for perplexity")
     out.add_argument("--no-measure", action="store_true", help="skip the held-out perplexity before/after")
@@ -247,6 +254,11 @@ def convert_main(argv: list[str]) -> int:
     source = resolve(recipe.model)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     main = accelerator.is_main_process
+    if args.fsdp and accelerator.num_processes == 1:
+        raise ValueError(
+            "--fsdp shards the weights over several processes, and this is one: "
+            "launch it with accelerate launch --multi_gpu --num_processes N -m linearize ..."
+        )
     output = args.output or default_output(recipe)
     if main:
         asked = args.model or recipe.model
@@ -276,6 +288,7 @@ def convert_main(argv: list[str]) -> int:
         work_dir=args.work_dir,
         accelerator=accelerator,
         measure=not args.no_measure,
+        shard=args.fsdp or None,
     )
     if main:
         _render_report(report, console)

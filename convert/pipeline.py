@@ -31,6 +31,7 @@ from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
 from .budget import parameter_count, peak_rss_bytes, weight_bytes
 from .export import check_output, default_model_card, export
+from .fsdp import sharding_requested
 from .measure import perplexity
 from .plan import describe, plan_layers
 from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_recipe_for
@@ -319,6 +320,7 @@ def select_layers(
     own_model: bool,
     work: WorkDir | None,
     accelerator: Accelerator,
+    shard: bool = False,
 ) -> tuple[list[str], dict[int, float], dict[str, torch.Tensor] | None]:
     """Stage 1: the layer plan, its per-layer errors, and the new parameters the measuring pass trained (or None).
 
@@ -345,7 +347,7 @@ def select_layers(
             seq_len=recipe.transfer.seq_lens[0],
         )
         rows = _stage_data(stage, tokenizer, recipe.seed)[0]
-        attention_transfer(every, rows, stage, accelerator, None)
+        attention_transfer(every, rows, stage, accelerator, None, shard)
         layer_errors = measure_layer_errors(every, rows[: max(1, MEASURE_ROWS_TOKENS // rows.shape[1])])
         if measure_settings == settings:  # its maps fit the student's inputs: a head start for stage 1
             trained = {name: p.detach() for name, p in new_parameters(every).items()}
@@ -364,16 +366,18 @@ def train_student(
     recipe: Recipe,
     accelerator: Accelerator,
     work: WorkDir | None,
+    shard: bool = False,
 ) -> list[StageResult]:
-    """Stages 2 and 3: attention transfer, then LoRA fine-tuning (each skipped at 0 tokens, resumed from the work folder)."""
+    """Stages 2 and 3: attention transfer, then LoRA fine-tuning (each skipped at 0 tokens, resumed from the work
+    folder); `shard`: the weights are sharded over the processes while each trains (FSDP2)."""
     work_path = None if work is None else work.path
     results = []
     if recipe.transfer.tokens > 0:
         rows = _stage_data(recipe.transfer, tokenizer, recipe.seed)
-        results.append(attention_transfer(student, rows, recipe.transfer, accelerator, work_path))
+        results.append(attention_transfer(student, rows, recipe.transfer, accelerator, work_path, shard))
     if recipe.finetune.tokens > 0:
         rows = _stage_data(recipe.finetune, tokenizer, recipe.seed + 1)
-        results.append(lora_finetune(student, rows, recipe.finetune, accelerator, work_path))
+        results.append(lora_finetune(student, rows, recipe.finetune, accelerator, work_path, shard))
     student.eval()
     return results
 
@@ -386,9 +390,8 @@ def effective_recipe(recipe: Recipe, types: list[str]) -> Recipe:
     return dataclasses.replace(recipe, layers=dataclasses.replace(recipe.layers, measured=linear))
 
 
-def memory_figures(teacher: PreTrainedModel, device: torch.device) -> dict[str, float]:
+def memory_figures(weights: int, device: torch.device) -> dict[str, float]:
     """Peak memory of the run against the teacher's weight bytes (RSS on a CPU, allocated bytes on a GPU)."""
-    weights = weight_bytes(teacher)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
     return {"peak_bytes": peak, "weight_bytes": weights, "peak_over_weights": peak / weights, "kind": "cuda" if device.type == "cuda" else "rss"}
 
@@ -424,11 +427,14 @@ def convert(
     work_dir: str | Path | None = None,
     accelerator: Accelerator | None = None,
     measure: bool = True,
+    shard: bool | None = None,
 ) -> tuple[LinearizeForCausalLM, ConversionReport]:
     """Linearize `teacher` by `recipe` (default: `default_recipe(teacher)`); export to `output` when given.
 
     Returns (student, report). Inputs are checked before anything loads; then the teacher loads, the
     layers are chosen, the student is built on the teacher's own weights, trained, measured and exported.
+    `shard` (default: whether the launch was `accelerate launch --use_fsdp`) shards the weights over the
+    processes while the stages train (FSDP2, `fsdp.py`).
     """
     started = time.perf_counter()
     recipe = recipe or default_recipe(teacher)
@@ -440,7 +446,8 @@ def convert(
     teacher, tokenizer, spec, resolved = load_teacher(teacher, tokenizer, recipe, accelerator)
     work = open_work_dir(output, work_dir, recipe, spec, overwrite, accelerator)
     own_model = by_spec and _spec(recipe.model) == spec  # a model in memory cannot be told apart: it is measured
-    types, layer_errors, trained = select_layers(teacher, tokenizer, recipe, own_model, work, accelerator)
+    shard = sharding_requested(shard)
+    types, layer_errors, trained = select_layers(teacher, tokenizer, recipe, own_model, work, accelerator, shard)
     settings = recipe.linear_attention()
     student = linearize_model(teacher, types, settings, spec)
     if trained is not None:
@@ -467,7 +474,9 @@ def convert(
         ppl["zero_shot"] = _heldout_ppl(student, tokenizer, recipe)
         if work is not None:
             work.put("perplexity", ppl)
-    results = train_student(student, tokenizer, recipe, accelerator, work)
+    weights = weight_bytes(teacher)
+    del teacher  # the student holds the weights now: a sharded stage can then release all but its shard
+    results = train_student(student, tokenizer, recipe, accelerator, work, shard)
     for result in results:
         report.stages[result.name] = {
             "tokens": result.tokens,
@@ -475,13 +484,14 @@ def convert(
             "seconds": result.seconds,
             "final_loss": result.final_loss,
             "resumed_from": result.resumed_from,
+            "weight_bytes_per_process": result.weight_bytes_per_process,
         }
         if result.layer_errors:
             report.stages[result.name]["layer_mse"] = {str(k): v for k, v in result.layer_errors.items()}
     if measure and main:
         ppl["student"] = _heldout_ppl(student, tokenizer, recipe)
     report.perplexity = ppl
-    report.memory = memory_figures(teacher, accelerator.device)
+    report.memory = memory_figures(weights, accelerator.device)
     report.seconds = time.perf_counter() - started
     accelerator.wait_for_everyone()
     if output is not None and main:

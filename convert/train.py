@@ -6,8 +6,8 @@ own output against it, so one backbone pass trains every layer and no softmax ou
 twice. Stage 2 wraps the swapped layers' projections in peft LoRA adapters and trains them on
 next-token CE or on KL to the teacher's logits (computed on the fly), then merges them.
 
-The loop is data-parallel through accelerate (each process takes its own rows of every step),
-checkpoints trainable parameters and optimizer state to safetensors, resumes from the last
+The loop is data-parallel (each process takes its own rows of every step; weights replicated, or
+sharded under `accelerate launch --use_fsdp`, see `fsdp.py`), checkpoints trainable parameters and optimizer state to safetensors, resumes from the last
 checkpoint, saves and stops cleanly on Ctrl-C, and refuses to continue past a NaN/inf loss.
 """
 
@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from ..modeling.families import family_of
 from .budget import finetune_memory_plan, transfer_memory_plan, weight_bytes
+from .fsdp import data_parallel, full, like, linear_layers
 from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
 from .recipes import Stage
 from .swap import new_parameters
@@ -61,6 +62,7 @@ class StageResult:
     resumed_from: int = 0
     curve: list[tuple[int, float]] = field(default_factory=list)  # (tokens seen, loss)
     layer_errors: dict[int, float] = field(default_factory=dict)  # stage 1: relative MSE per layer
+    weight_bytes_per_process: int = 0  # weights one process held while training (a shard of them under FSDP)
 
     @property
     def final_loss(self) -> float | None:
@@ -87,15 +89,20 @@ class Checkpoint:
         except (SafetensorError, ValueError) as err:
             raise ValueError(f"checkpoint {self.path} is corrupt ({err}): delete it to restart this stage") from None
 
-    def save(self, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None, progress: dict) -> None:
+    def save(
+        self, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None, progress: dict, write: bool = True
+    ) -> None:
+        """Write whole tensors (shards are gathered: then every process calls this, and one writes)."""
         if self.path is None:
             return
-        tensors = {f"param.{name}": p.detach().to("cpu").contiguous() for name, p in params.items()}
+        tensors = {f"param.{name}": full(p).detach().to("cpu").contiguous() for name, p in params.items()}
         if optimizer is not None:
             for index, state in optimizer.state_dict()["state"].items():
                 for key, value in state.items():
                     if torch.is_tensor(value):
-                        tensors[f"optim.{index}.{key}"] = value.detach().to("cpu").contiguous()
+                        tensors[f"optim.{index}.{key}"] = full(value).detach().to("cpu").contiguous()
+        if not write:
+            return
         tmp = self.path.with_suffix(".tmp")
         save_file(tensors, str(tmp), metadata={"progress": json.dumps(progress)})
         os.replace(tmp, self.path)
@@ -112,13 +119,14 @@ class Checkpoint:
             for name, p in params.items():
                 if f"param.{name}" not in tensors:
                     raise ValueError(f"checkpoint {self.path} does not match this run: delete it or change --work-dir")
-                p.copy_(tensors[f"param.{name}"].to(p.dtype))
+                p.copy_(like(tensors[f"param.{name}"].to(p.dtype), p))
         if optimizer is not None:
+            ordered = list(params.values())
             state: dict[int, dict] = {}
             for key, value in tensors.items():
                 if key.startswith("optim."):
                     _, index, name = key.split(".", 2)
-                    state.setdefault(int(index), {})[name] = value
+                    state.setdefault(int(index), {})[name] = like(value, ordered[int(index)])
             if state:
                 optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
         return self.meta()
@@ -251,14 +259,18 @@ def run_loop(
     accelerator: Accelerator,
     work_dir: Path | None,
     tokens_per_pass: int | None = None,
+    shard: bool = False,
+    local_losses: bool = False,
 ) -> StageResult:
     """Optimize `params` on `data` (one [N, L] tensor, or one per curriculum length) for the stage's
-    token budget; checkpointed and resumable. The module is prepared before the optimizer is built
-    (what sharded data parallelism needs).
+    token budget; checkpointed and resumable. The module runs as the launch asked: in one process,
+    replicated (DDP) or sharded (FSDP2, `fsdp.data_parallel`); `step_loss` gets what to call and must
+    reach every module through it, since a sharded stage calls a twin of `module`.
 
     `tokens_per_pass` caps the rows one forward takes: a step's rows then run in several passes whose
     gradients add up (the same update as one pass, weighted by rows), so activation memory follows the
-    cap, not the batch."""
+    cap, not the batch. `shard` shards the weights over the processes while the stage trains (FSDP2);
+    `local_losses` says the loss is the linear layers' own transfer losses (stage 1, see `fsdp.py`)."""
     world, rank = accelerator.num_processes, accelerator.process_index
     phases = plan_phases(data, stage, world)
     total = sum(p.steps for p in phases)
@@ -272,11 +284,15 @@ def run_loop(
         result.seconds = progress.get("seconds", 0.0)
         logger.info("%s: already complete in the checkpoint (%d steps), skipping", name, result.steps)
         return result
-    with fp32_masters(params) as autocast_dtype, stop_on_ctrl_c() as asked_to_stop:
-        prepared = accelerator.prepare(module)
+    with (
+        fp32_masters(params) as autocast_dtype,
+        stop_on_ctrl_c() as asked_to_stop,
+        data_parallel(module, params, accelerator, shard, local_losses) as parallel,
+    ):
+        prepared, params = parallel.model, parallel.params
+        result.weight_bytes_per_process = parallel.weight_bytes_per_process()
         optimizer = torch.optim.AdamW(params.values(), lr=stage.lr, weight_decay=stage.weight_decay)
         checkpoint.load(params, optimizer)
-        optimizer = accelerator.prepare(optimizer)
         factor = lr_lambda(total, stage.warmup_steps)
         start = result.resumed_from
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(step + start))
@@ -286,10 +302,10 @@ def run_loop(
         started = time.perf_counter()
 
         def save(step: int, done: bool = False) -> None:
-            if accelerator.is_main_process:
+            if accelerator.is_main_process or parallel.sharded:
                 seconds = elapsed + time.perf_counter() - started
                 state = {"step": step, "done": done, "curve": result.curve, "seconds": seconds}
-                checkpoint.save(params, optimizer, state)
+                checkpoint.save(params, optimizer, state, write=accelerator.is_main_process)
             accelerator.wait_for_everyone()
 
         bar = tqdm(
@@ -310,11 +326,12 @@ def run_loop(
                 loss = torch.zeros((), device=accelerator.device)
                 for index, piece in enumerate(pieces):
                     last = index == len(pieces) - 1  # gradients are all-reduced once, after the last pass
+                    parallel.scale = piece.shape[0] / batch.shape[0]
                     with (
-                        contextlib.nullcontext() if last else accelerator.no_sync(prepared),
+                        contextlib.nullcontext() if last else parallel.no_sync(),
                         torch.autocast(accelerator.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None),
                     ):
-                        part = step_loss(prepared, piece) * (piece.shape[0] / batch.shape[0])
+                        part = step_loss(prepared, piece) * parallel.scale
                     if not all_finite(part, accelerator):
                         checkpoint.load(params, None)
                         value = part.detach().float() * batch.shape[0] / piece.shape[0]
@@ -323,10 +340,11 @@ def run_loop(
                             f"{name}: loss became {shown} at step {step}: lower its lr; the last good state is kept "
                             "and a rerun resumes from it"
                         )
-                    with contextlib.nullcontext() if last else accelerator.no_sync(prepared):
-                        accelerator.backward(part)
+                    with contextlib.nullcontext() if last else parallel.no_sync():
+                        parallel.backward(part)
                     loss = loss + part.detach().float()
-                accelerator.clip_grad_norm_(list(params.values()), 1.0)
+                parallel.reduce_gradients()
+                torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -355,10 +373,6 @@ def run_loop(
     return result
 
 
-def linear_layers(model: torch.nn.Module) -> list[LinearAttention]:
-    return [m for m in model.modules() if isinstance(m, LinearAttention)]
-
-
 @contextmanager
 def transfer_mode(
     model: torch.nn.Module, recompute: bool = False, late_weight: float = 0.0
@@ -381,7 +395,12 @@ def transfer_mode(
 
 
 def attention_transfer(
-    student: LinearizeForCausalLM, data: torch.Tensor, stage: Stage, accelerator: Accelerator, work_dir: Path | None
+    student: LinearizeForCausalLM,
+    data: torch.Tensor,
+    stage: Stage,
+    accelerator: Accelerator,
+    work_dir: Path | None,
+    shard: bool = False,
 ) -> StageResult:
     """Stage 1: fit the new parameters so each linear layer reproduces its softmax layer's output."""
     params = new_parameters(student)
@@ -395,16 +414,19 @@ def attention_transfer(
     layer_sums: dict[int, list[float]] = {}
     recompute, per_pass, _ = transfer_memory_plan(student, stage, weight_bytes(student))
 
-    with transfer_mode(student, recompute, stage.late_weight) as layers:
+    with transfer_mode(student, recompute, stage.late_weight):
 
         def step_loss(backbone: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
             backbone(input_ids=batch, use_cache=False)
+            layers = linear_layers(backbone)
             losses = [layer.transfer_loss for layer in layers]
             for layer, loss in zip(layers, losses):
                 layer_sums.setdefault(layer.layer_idx, []).append(loss.item())
             return torch.stack(losses).sum()
 
-        result = run_loop("transfer", student.base_model, params, data, stage, step_loss, accelerator, work_dir, per_pass)
+        result = run_loop(
+            "transfer", student.base_model, params, data, stage, step_loss, accelerator, work_dir, per_pass, shard, True
+        )
     for p in student.parameters():
         p.requires_grad_(False)
     result.layer_errors = {i: sum(v) / len(v) for i, v in layer_sums.items()}
@@ -520,6 +542,7 @@ def lora_finetune(
     stage: Stage,
     accelerator: Accelerator,
     work_dir: Path | None,
+    shard: bool = False,
 ) -> StageResult:
     """Stage 2: LoRA on the swapped layers (CE, or KL to the teacher), merged into the weights after.
 
@@ -552,14 +575,17 @@ def lora_finetune(
         def step_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
             hidden.clear()
             model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            peft = accelerator.unwrap_model(model)  # the peft model itself, or its sharded twin
             if stage.loss == "ce":
-                return next_token_loss(student, hidden[0], labels=batch)
-            with torch.no_grad(), peft_model.disable_adapter(), teacher_attention(student):
+                return next_token_loss(peft.get_base_model(), hidden[0], labels=batch)
+            with torch.no_grad(), peft.disable_adapter(), teacher_attention(peft):
                 model(input_ids=batch, use_cache=False, logits_to_keep=1)
-            return next_token_loss(student, hidden[0], target=hidden[1])
+            return next_token_loss(peft.get_base_model(), hidden[0], target=hidden[1])
 
         try:
-            result = run_loop("finetune", peft_model, params, data, stage, step_loss, accelerator, work_dir, per_pass)
+            result = run_loop(
+                "finetune", peft_model, params, data, stage, step_loss, accelerator, work_dir, per_pass, shard
+            )
         finally:
             if checkpointing:
                 student.activation_checkpointing_disable()

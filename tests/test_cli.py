@@ -218,6 +218,7 @@ BAD = {
         "--split 'test' (recipe key 'transfer.split') applies to hub datasets only",
     ),
     "keep-softmax out of range": (["--keep-softmax", "7"], "layer index 7 out of range: the model has 4 layers"),
+    "fsdp in one process": (["--fsdp"], "--fsdp shards the weights over several processes, and this is one: launch it with"),
 }
 
 

@@ -5,6 +5,7 @@ import json
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -28,24 +29,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) path; on GPUs --multi_gpu means NCCL")
-def test_accelerate_launch_two_cpu_processes(tiny_llama_dir, tmp_path, cli_env):
-    # A stale, different run in the work folder: with --overwrite exactly one process must discard it.
-    stale = tmp_path / ".ddp.work"
+def launch_conversion(model, cwd: Path, output: str, env: dict, *extra: str) -> subprocess.CompletedProcess:
+    """`accelerate launch` of a 2-process conversion of the tiny model with an 8-token window (so the linear state works)."""
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", *ACCELERATE, "--main_process_port", str(free_port()),
+        "-m", "linearize", "--model", str(model), "--output", output, "--overwrite", "--ratio", "3:1", "--placement", "spread",
+        "--window", "8", "--sink", "2", "--transfer-tokens", "256", "--finetune-tokens", "256", "--seq-len", "32",
+        "--batch-size", "2", "--heldout-tokens", "256", "--max-new-tokens", "3", "--quiet", *extra,
+    ]  # fmt: skip
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_llama_dir, tmp_path_factory):
+    """A 2-process DDP conversion, started over a stale, different run in its work folder."""
+    from conftest import _linearize_env
+
+    cwd = tmp_path_factory.mktemp("ddp")
+    stale = cwd / ".ddp.work"
     stale.mkdir()
     (stale / "run.json").write_text(json.dumps({"fingerprint": "another run"}))
     for i in range(50):
         (stale / f"old{i}.safetensors").write_bytes(b"x")
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", *ACCELERATE, "--main_process_port", str(free_port()),
-        "-m", "linearize", "--model", str(tiny_llama_dir), "--output", "ddp", "--overwrite", "--ratio", "3:1", "--placement", "spread",
-        "--transfer-tokens", "256", "--finetune-tokens", "256", "--seq-len", "32", "--batch-size", "2",
-        "--heldout-tokens", "256", "--max-new-tokens", "3", "--quiet",
-    ]  # fmt: skip
-    proc = subprocess.run(command, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=400)
+    return cwd, launch_conversion(tiny_llama_dir, cwd, "ddp", _linearize_env())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) path; on GPUs --multi_gpu means NCCL")
+def test_accelerate_launch_two_cpu_processes(ddp_run):
+    cwd, proc = ddp_run
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = tmp_path / "ddp"
+    out = cwd / "ddp"
     assert proc.stdout.count("before / after") == 1  # only the main process reports
     assert proc.stdout.count("exported") == 1
     report = json.loads((out / "report.json").read_text())
@@ -55,8 +69,8 @@ def test_accelerate_launch_two_cpu_processes(tiny_llama_dir, tmp_path, cli_env):
         assert stage["steps"] == 2 and stage["tokens"] == 256, (name, stage)
         assert stage["final_loss"] is not None
     assert set(report["perplexity"]) == {"teacher", "zero_shot", "student"}
-    assert not stale.exists()  # work folder removed once the export is in place
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp"]
+    # with --overwrite exactly one process discarded the stale run; the work folder went once the export was in place
+    assert sorted(p.name for p in cwd.iterdir()) == ["ddp"]
 
     from transformers import AutoModelForCausalLM
 
@@ -64,6 +78,107 @@ def test_accelerate_launch_two_cpu_processes(tiny_llama_dir, tmp_path, cli_env):
     assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 7, 9]])).logits).all()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) path; on GPUs --multi_gpu means NCCL")
+def test_fsdp_on_two_cpu_processes_shards_the_weights_and_trains_as_ddp_does(ddp_run, tiny_llama_dir, cli_env):
+    from safetensors.torch import load_file
+
+    from linearize.modeling.modeling_linearize import WINDOW_FACTOR_INIT
+
+    cwd, ddp = ddp_run
+    assert ddp.returncode == 0, ddp.stderr[-4000:]
+    proc = launch_conversion(tiny_llama_dir, cwd, "fsdp", cli_env, "--fsdp")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sharded, replicated = (json.loads((cwd / name / "report.json").read_text()) for name in ("fsdp", "ddp"))
+    weights = sharded["memory"]["weight_bytes"]
+    for name in ("transfer", "finetune"):
+        held, whole = sharded["stages"][name], replicated["stages"][name]
+        assert held["steps"] == whole["steps"] == 2
+        assert whole["weight_bytes_per_process"] > weights  # DDP: every process holds all of them (and the new ones)
+        assert held["weight_bytes_per_process"] < 0.6 * whole["weight_bytes_per_process"]  # FSDP: half, plus what trains whole
+        assert held["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-4)
+    assert sharded["perplexity"] == pytest.approx(replicated["perplexity"], rel=1e-4)
+    exported, reference = (load_file(cwd / name / "model.safetensors") for name in ("fsdp", "ddp"))
+    assert exported.keys() == reference.keys()
+    for key, value in exported.items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6)
+    teacher = load_file(tiny_llama_dir / "model.safetensors")
+    assert not torch.allclose(exported["model.layers.0.self_attn.q_proj.weight"], teacher["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.allclose(exported["model.layers.0.self_attn.window_factor"], torch.tensor(WINDOW_FACTOR_INIT))
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cwd / "fsdp", trust_remote_code=True)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 7, 9]])).logits).all()
+
+
+SHARDED_RESUME = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from accelerate import Accelerator
+    from linearize.convert.recipes import Stage
+    from linearize.convert.train import StageInterrupted, run_loop
+
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    data = torch.randint(0, 50, (40, 6), generator=torch.Generator().manual_seed(1))
+    stage = Stage(tokens=10 * 2 * 6 * 2, batch_size=2, lr=0.05, checkpoint_every=3)
+
+    def toy(seed):
+        torch.manual_seed(seed)
+        module = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 3))
+        return module, dict(module.named_parameters())
+
+    def loss(model, batch):
+        return (model(batch).sum(-1) - batch.float() / 50).pow(2).mean()
+
+    module, params = toy(0)
+    run_loop("stage", module, params, data, stage, loss, accelerator, None)
+    replicated = {k: v.detach().clone() for k, v in params.items()}
+
+    calls = []
+
+    def interrupted(model, batch):
+        calls.append(1)
+        if len(calls) == 8:  # during step 7 on both processes: the checkpoint of step 6 is the last one
+            raise KeyboardInterrupt
+        return loss(model, batch)
+
+    module, params = toy(0)
+    try:
+        run_loop("stage", module, params, data, stage, interrupted, accelerator, sys.argv[1], shard=True)
+    except StageInterrupted as err:
+        print(f"rank {rank}: {err}", flush=True)
+    module, params = toy(5)  # a fresh start: parameters and optimizer moments come from the checkpoint
+    result = run_loop("stage", module, params, data, stage, loss, accelerator, sys.argv[1], shard=True)
+    assert result.resumed_from == 7 and result.steps == 10, result
+    for name, value in params.items():
+        torch.testing.assert_close(value.detach(), replicated[name], rtol=1e-6, atol=1e-7)
+    print(f"rank {rank}: sharded and resumed equals replicated", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) path")
+def test_a_sharded_stage_checkpoints_whole_tensors_and_resumes(tmp_path, cli_env):
+    script = tmp_path / "resume.py"
+    script.write_text(SHARDED_RESUME)
+    (tmp_path / "work").mkdir()
+    command = [sys.executable, "-m", "accelerate.commands.launch", *ACCELERATE, "--main_process_port", str(free_port()), str(script), "work"]
+    proc = subprocess.run(command, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: interrupted: stage progress saved at step 7" in proc.stdout
+        assert f"rank {rank}: sharded and resumed equals replicated" in proc.stdout
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "work" / "stage.safetensors")
+    assert saved["param.1.weight"].shape == (3, 8)  # whole tensors, not one process's shard
 
 
 # ---- the Python API ---------------------------------------------------------------------------------
