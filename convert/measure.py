@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+SCORE_CHUNK_TOKENS = 256  # positions whose logits exist at once when a window is scored
 
 
 def windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
@@ -34,6 +37,67 @@ def windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, in
         out.append((start, e - 1, e - t))
         t = e
     return out
+
+
+@contextmanager
+def final_hidden_states(model: PreTrainedModel) -> Iterator[list[torch.Tensor]]:
+    """Collect the decoder's last hidden states on each forward, so the loss can make logits a chunk at a time."""
+    captured: list[torch.Tensor] = []
+    hook = model.base_model.register_forward_hook(
+        lambda module, args, output: captured.append(getattr(output, "last_hidden_state", None))
+    )
+    try:
+        yield captured
+    finally:
+        hook.remove()
+
+
+def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The family's logits from final hidden states: its output head, logit scaling and final soft-capping."""
+    logits = model.get_output_embeddings()(hidden)
+    config = model.base_model.config
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    if getattr(config, "final_logit_softcapping", None):
+        logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
+    return logits.float()
+
+
+def _rowwise_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) from full logits, one row's log-softmax at a time: no float copy of the whole batch's logits."""
+    return torch.stack(
+        [torch.log_softmax(row.float(), -1).gather(-1, target[:, None]).squeeze(-1) for row, target in zip(logits, labels)]
+    )
+
+
+def _token_logprobs(
+    model: PreTrainedModel, inputs: torch.Tensor, labels: torch.Tensor, keep: int, chunked: bool | None
+) -> tuple[torch.Tensor, bool]:
+    """(log p(label) [B, keep] of the last `keep` positions, whether they were made in chunks).
+
+    Logits are made SCORE_CHUNK_TOKENS positions at a time from the final hidden states when the
+    model's head reproduces its own last logits (its scaling and soft-capping are known; `chunked`
+    None checks this, True trusts an earlier check), so no [B, keep, vocabulary] tensor exists; any
+    other model is scored from its full logits.
+    """
+    labels = labels[:, -keep:]
+    if chunked is not False:
+        with final_hidden_states(model) as hidden:
+            last = model(inputs, use_cache=False, logits_to_keep=1).logits
+        states = hidden[0][:, -keep:] if len(hidden) == 1 and hidden[0] is not None else None
+        if chunked is None:
+            chunked = states is not None and torch.allclose(
+                head_logits(model, states[:, -1:]), last.float(), rtol=1e-4, atol=1e-4
+            )
+        if chunked:
+            parts = []
+            for start in range(0, keep, SCORE_CHUNK_TOKENS):
+                logits = head_logits(model, states[:, start : start + SCORE_CHUNK_TOKENS])
+                target = labels[:, start : start + SCORE_CHUNK_TOKENS, None]
+                parts.append(logits.log_softmax(-1).gather(-1, target).squeeze(-1))
+            return torch.cat(parts, dim=1), True
+    logits = model(inputs, use_cache=False, logits_to_keep=keep).logits[:, -keep:]
+    return _rowwise_logprobs(logits, labels), False
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -77,6 +141,7 @@ def perplexity(
         groups.setdefault(w[1] - w[0], []).append(w)
     total_nll = torch.zeros((), dtype=torch.float64)
     scored = 0
+    chunked = None  # whether logits can be made a chunk at a time: checked on the first window
     was_training = model.training
     model.eval()  # no dropout while scoring
     bar = tqdm(total=len(plan), desc="perplexity", unit="win", disable=not progress)
@@ -87,14 +152,10 @@ def perplexity(
                 inputs = torch.stack([stream[s:e] for s, e, _ in batch])
                 labels = torch.stack([stream[s + 1 : e + 1] for s, e, _ in batch])
                 keep = max(n for _, _, n in batch)
-                kwargs: dict[str, Any] = {"use_cache": False}
                 if keep_logits:
-                    kwargs["logits_to_keep"] = keep
-                logits = model(inputs, **kwargs).logits[:, -keep:]
-                # One row's log-softmax at a time: a float copy of the whole batch's logits never exists.
-                logp = torch.stack(
-                    [torch.log_softmax(row.float(), -1).gather(-1, target[:, None]).squeeze(-1) for row, target in zip(logits, labels[:, -keep:])]
-                )
+                    logp, chunked = _token_logprobs(model, inputs, labels, keep, chunked)
+                else:
+                    logp = _rowwise_logprobs(model(inputs, use_cache=False).logits[:, -keep:], labels[:, -keep:])
                 # Row r scores only its last n_r predictions.
                 pos = torch.arange(keep, device=device)
                 mask = pos[None, :] >= torch.tensor([keep - n for _, _, n in batch], device=device)[:, None]

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from ..modeling.families import family_of
 from .budget import finetune_memory_plan, transfer_memory_plan, weight_bytes
 from .fsdp import data_parallel, full, like, linear_layers
+from .measure import final_hidden_states, head_logits
 from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
 from .recipes import Stage
 from .swap import new_parameters
@@ -472,28 +473,6 @@ def teacher_attention(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.teacher_attention = False
-
-
-@contextmanager
-def final_hidden_states(model: LinearizeForCausalLM) -> Iterator[list[torch.Tensor]]:
-    """Collect the decoder's last hidden states on each forward, so the loss can make logits a chunk at a time."""
-    captured: list[torch.Tensor] = []
-    hook = model.base_model.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
-    try:
-        yield captured
-    finally:
-        hook.remove()
-
-
-def head_logits(model: LinearizeForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    """The family's logits from final hidden states: its output head, logit scaling and final soft-capping."""
-    logits = model.get_output_embeddings()(hidden)
-    config = model.base_model.config
-    if getattr(config, "logits_scaling", None):
-        logits = logits / config.logits_scaling
-    if getattr(config, "final_logit_softcapping", None):
-        logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
-    return logits.float()
 
 
 def _chunk_loss(

@@ -72,6 +72,24 @@ def test_matches_hand_computation(tiny, seq_len, stride):
     assert got["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [None, 0.05])
+def test_logits_come_a_chunk_at_a_time_when_the_head_is_known(tiny, monkeypatch, softcap):
+    from linearize.convert import measure
+
+    monkeypatch.setattr(measure, "SCORE_CHUNK_TOKENS", 5)
+    # Llama's forward ignores a soft-cap its config names: the head then is not the one head_logits knows.
+    monkeypatch.setattr(tiny.config, "final_logit_softcapping", softcap, raising=False)
+    ids = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(3))
+    logp, chunked = measure._token_logprobs(tiny, ids[:, :-1], ids[:, 1:], 23, None)
+    assert chunked is (softcap is None)
+    with torch.no_grad():
+        reference = torch.log_softmax(tiny(ids[:, :-1]).logits[:, -23:].double(), -1).gather(-1, ids[:, -23:, None])
+    torch.testing.assert_close(logp.double(), reference.squeeze(-1), rtol=1e-5, atol=1e-5)
+    got = perplexity(tiny, None, ids[0], seq_len=16, stride=5, batch_size=2)
+    nll, _ = hand_nll(tiny, ids[0].tolist(), 16, 5)
+    assert got["nll"] == pytest.approx(nll, rel=1e-5)
+
+
 def test_full_context_equals_model_loss(tiny):
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1))
     got = perplexity(tiny, None, ids, seq_len=64, stride=32)
