@@ -148,11 +148,24 @@ class Phase:
 def plan_phases(data: torch.Tensor | list[torch.Tensor], stage: Stage, world: int) -> list[Phase]:
     """Split the stage's token budget evenly over its lengths (shortest-first curriculum, as given).
 
+    A length whose share of the budget would not fill one row is dropped (with the lengths after it),
+    so a small budget is not overrun by rows far longer than it.
+
     Every phase keeps the first length's tokens per step (`batch_size` rows of it): longer rows come
     in proportionally smaller batches, so the step count, the learning-rate schedule and the memory
     per step stay comparable across lengths.
     """
     phases = [data] if isinstance(data, torch.Tensor) else list(data)
+    kept = len(phases)
+    while kept > 1 and stage.tokens / kept < max(rows.shape[1] for rows in phases[:kept]):
+        kept -= 1
+    if kept < len(phases):
+        lengths = [rows.shape[1] for rows in phases]
+        logger.warning(
+            "a budget of %s tokens holds no full row of every length in %s: training on %s only (%s tokens would take all)",
+            f"{stage.tokens:,}", lengths, lengths[:kept], f"{len(lengths) * max(lengths):,}",
+        )
+        phases = phases[:kept]
     tokens_per_row_step = stage.batch_size * phases[0].shape[1]
     share = stage.tokens / len(phases)
     planned = []

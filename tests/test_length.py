@@ -31,6 +31,15 @@ def test_curriculum_splits_the_budget_and_keeps_tokens_per_step():
         phase_of(phases, 6)
 
 
+def test_a_budget_below_one_row_per_length_drops_the_longer_lengths(caplog):
+    rows = [torch.zeros(4, n, dtype=torch.long) for n in (2048, 4096)]
+    phases = plan_phases(rows, Stage(tokens=2048, seq_len=[2048, 4096], batch_size=1), world=1)
+    assert [(p.rows.shape[1], p.steps) for p in phases] == [(2048, 1)]  # not 2048 + 4096 tokens for a 2048 budget
+    assert "training on [2048] only (8,192 tokens would take all)" in caplog.text
+    phases = plan_phases(rows, Stage(tokens=8192, seq_len=[2048, 4096], batch_size=1), world=1)
+    assert [(p.rows.shape[1], p.steps) for p in phases] == [(2048, 2), (4096, 1)]
+
+
 def test_recipe_and_cli_take_a_length_curriculum():
     recipe = apply_overrides(Recipe(), {"transfer.seq_len": [512, 4096]})
     assert recipe.transfer.seq_lens == [512, 4096] and recipe.finetune.seq_lens == [512]
