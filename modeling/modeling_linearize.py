@@ -227,6 +227,16 @@ def sink_visibility(sink_positions: torch.Tensor, q_positions: torch.Tensor, win
     return (sinks >= 0) & (sinks <= (q_positions - window).to(sinks.dtype)[:, None])
 
 
+WINDOW_BLOCK = 64  # queries per block of the window's softmax: each attends window + block keys
+
+
+def window_block(window: int) -> int:
+    """Queries per block: the largest divisor of the window up to WINDOW_BLOCK, or the whole window
+    when that is small (then each query attends 2 * window keys, half of them masked)."""
+    block = max(d for d in range(1, min(window, WINDOW_BLOCK) + 1) if window % d == 0)
+    return block if block >= 16 or block == window else window
+
+
 def window_softmax_terms(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -264,27 +274,27 @@ def window_softmax_terms(
         c = scores.amax(-1, keepdim=True).clamp_min(-1e4)
         terms = (scores - c).exp().view(B, Hkv, groups * T, -1) @ with_normalizer(v)
         return terms.view(B, H, T, D + 1), c.view(B, H, T, 1)
-    front = (-L) % window + window  # an empty block in front, so every block has a predecessor
-    n = (L + front) // window
-    q_blocks = F.pad(q, (0, 0, front + L - T, 0)).view(B, Hkv, groups, n, window, D)
-    k_blocks = F.pad(k, (0, 0, front, 0)).view(B, Hkv, n, window, D)
-    v_blocks = F.pad(with_normalizer(v), (0, 0, front, 0)).view(B, Hkv, n, window, D + 1)
-    valid = F.pad(key_valid, (front, 0), value=False).view(B, 1, n, window)
-
-    def with_previous_block(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x[:, :, :-1], x[:, :, 1:]], dim=3)
-
-    k2, v2, valid2 = with_previous_block(k_blocks), with_previous_block(v_blocks), with_previous_block(valid)
-    i = torch.arange(window, device=q.device)[:, None]
-    j = torch.arange(2 * window, device=q.device)[None, :]
-    allowed = ((j > i) & (j <= i + window)) & valid2.unsqueeze(2).unsqueeze(-2)
-    scores = (q_blocks[:, :, :, 1:] @ k2.unsqueeze(2).transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    b = window_block(window)
+    m = window // b  # key blocks before a query block that its queries can reach
+    front = (-L) % b + window  # empty blocks in front, so every query block has m predecessors
+    n = (L + front) // b - m  # query blocks: the last n of the padded sequence's n + m blocks
+    q_blocks = F.pad(q * scaling, (0, 0, front + L - T, 0)).view(B, Hkv, groups, n + m, b, D)[:, :, :, m:]
+    k_blocks = F.pad(k, (0, 0, front, 0)).view(B, Hkv, 1, n + m, b, D)
+    v_blocks = F.pad(with_normalizer(v), (0, 0, front, 0)).view(B, Hkv, 1, n + m, b, D + 1)
+    valid = F.pad(key_valid, (front, 0), value=False).view(B, 1, 1, n + m, 1, b)
+    # Query block i sees key blocks i - m .. i: scores for the m + 1 of them side by side, one matmul each.
+    scores = torch.cat([q_blocks @ k_blocks[:, :, :, j : j + n].transpose(-1, -2) for j in range(m + 1)], dim=-1)
+    row = torch.arange(b, device=q.device)[:, None]
+    col = torch.arange(window + b, device=q.device)[None, :]
+    keys_valid = torch.cat([valid[:, :, :, j : j + n] for j in range(m + 1)], dim=-1)
+    scores.masked_fill_(~(((col > row) & (col <= row + window)) & keys_valid), float("-inf"))
     c = scores.amax(-1, keepdim=True).clamp_min(-1e4)
-    terms = (scores - c).exp() @ v2.unsqueeze(2)
+    # In place when nothing will backpropagate through the scores (prefill, scoring, stage 1): one tensor fewer.
+    weights = (scores - c).exp() if scores.requires_grad else scores.sub_(c).exp_()
+    terms = sum(weights[..., j * b : (j + 1) * b] @ v_blocks[:, :, :, j : j + n] for j in range(m + 1))
 
     def unblock(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(B, H, (n - 1) * window, -1)[:, :, -T:]
+        return x.reshape(B, H, n * b, -1)[:, :, -T:]
 
     terms, c = unblock(terms), unblock(c)
     if sinks is None:

@@ -261,10 +261,31 @@ DENSE_CASES = {
 
 @pytest.mark.parametrize("form", ["parallel", "chunk", "recurrent"])
 @pytest.mark.parametrize("case", list(DENSE_CASES))
-@torch.no_grad()
 def test_linear_layer_matches_dense_math(case, form):
     """An independent check of what the forms agree on: decays, window hand-over, mixing, GQA (fp32)."""
-    layer_types, settings = DENSE_CASES[case]
+    check_dense_math(*DENSE_CASES[case], form)
+
+
+def test_window_blocks_follow_the_window():
+    from linearize.modeling.modeling_linearize import window_block
+
+    assert [window_block(w) for w in (512, 64, 96, 100, 8, 4, 97, 34)] == [64, 64, 48, 50, 8, 4, 97, 34]
+
+
+@pytest.mark.parametrize("settings", [{"window": 12, "sink": 2}, {"window": 12, "feature_map": "elu", "gate": "key"}])
+def test_window_blocks_smaller_than_the_window_give_the_same_layer(settings, monkeypatch):
+    """Queries in blocks of 4 against a 12-token window (3 key blocks back): the dense math, and the forms agree."""
+    from linearize.modeling import modeling_linearize
+
+    monkeypatch.setattr(modeling_linearize, "window_block", lambda window: 4)
+    check_dense_math([LIN], {"gate": "lowrank", **settings}, "chunk")
+    model = make_model([LIN, FULL, LIN], {"gate": "lowrank", **settings, "chunk_size": 16}, seed=3)
+    ids, mask = left_padded([random_ids(37, seed=1), random_ids(9, seed=2), random_ids(20, seed=3)])
+    assert_forms_equal(model, ids, mask, forms=("chunk", "recurrent", None))
+
+
+@torch.no_grad()
+def check_dense_math(layer_types: list[str], settings: dict, form: str) -> None:
     model = make_model(layer_types, {**settings, "chunk_size": 16}, seed=9)
     layer = model.model.layers[0]
     attn = layer.self_attn
