@@ -102,21 +102,17 @@ def return_freed_memory() -> None:
         pass
 
 
-def transfer_memory_plan(student: torch.nn.Module, stage, weights: int) -> tuple[bool, int, int]:
-    """Stage 1's (recompute each linear path, tokens per pass, activation bytes per token) for `weights` bytes.
+def transfer_memory_plan(student: torch.nn.Module, stage, weights: int) -> tuple[int, int]:
+    """Stage 1's (tokens per pass, activation bytes per token) for `weights` bytes.
 
-    It recomputes once the kept activations would outweigh the weights; every layer's loss is local
-    to it, so only one layer's activations then exist at a time.
+    Each linear layer backpropagates its own loss at the end of its forward, so one layer's
+    activations exist at a time.
     """
     from ..modeling.modeling_linearize import LinearAttention
 
-    per_token = transfer_activation_bytes(student, 1)
-    recompute = stage.gradient_checkpointing
-    if recompute is None:
-        recompute = per_token * stage.batch_size * stage.seq_lens[0] > weights
-    if recompute:
-        per_token //= max(1, sum(isinstance(m, LinearAttention) for m in student.modules()))
-    return recompute, tokens_per_pass(per_token, weights), per_token
+    linear = max(1, sum(isinstance(m, LinearAttention) for m in student.modules()))
+    per_token = transfer_activation_bytes(student, 1) // linear
+    return tokens_per_pass(per_token, weights), per_token
 
 
 def finetune_memory_plan(student: torch.nn.Module, stage, weights: int) -> tuple[bool, int, int]:
@@ -218,7 +214,7 @@ def dry_run(recipe, device: torch.device) -> dict:
     h = base.hidden_size
     transfer_tokens = recipe.transfer.batch_size * recipe.transfer.seq_lens[0]
     finetune_tokens = recipe.finetune.batch_size * recipe.finetune.seq_lens[0]
-    transfer_checkpointed, transfer_pass, transfer_per_token = transfer_memory_plan(student, recipe.transfer, weights)
+    transfer_pass, transfer_per_token = transfer_memory_plan(student, recipe.transfer, weights)
     transfer_act = transfer_per_token * min(transfer_tokens, transfer_pass)
     checkpointed, finetune_pass, finetune_per_token = finetune_memory_plan(student, recipe.finetune, weights)
     finetune_act = finetune_per_token * min(finetune_tokens, finetune_pass) + 3 * LOSS_CHUNK_TOKENS * base.vocab_size * 4
@@ -250,7 +246,7 @@ def dry_run(recipe, device: torch.device) -> dict:
         ("parameters", f"{total / 1e9:.3f} B ({weights / gib:.2f} GiB in {str(dtype).removeprefix('torch.')})"),
         ("new parameters (stage 1 trains)", f"{new / 1e6:.2f} M"),
         ("LoRA parameters (stage 2 trains)", f"{lora / 1e6:.2f} M (rank {recipe.finetune.lora_rank})"),
-        ("activation checkpointing (transfer, finetune)", f"{'on' if transfer_checkpointed else 'off'}, {'on' if checkpointed else 'off'}"),
+        ("activation checkpointing (finetune)", "on" if checkpointed else "off"),
         ("estimated peak memory, transfer", f"{stage1 / gib:.2f} GiB ({stage1 / weights:.2f}x the weights)"),
         ("estimated peak memory, finetune", f"{stage2 / gib:.2f} GiB ({stage2 / weights:.2f}x the weights)"),
         ("device throughput (measured matmul)", f"{flops / 1e12:.2f} TFLOP/s on {device}"),

@@ -7,11 +7,11 @@ accelerate wraps models in FSDP only on accelerators (its FSDP plugin refuses a 
 wrapping rules, so linearize shards with torch's `fully_shard` itself: every decoder layer is one
 unit, the root holds the rest (embeddings, final norm, head).
 
-Stage 1's losses are local to each linear layer and reach no layer's output, so FSDP's backward
-hooks would never gather a layer's weights for them. There (`local_losses`) each linear layer
-backpropagates its own loss at the end of its forward, while its layer's weights are gathered,
-and the new parameters it trains stay whole on every process, their gradients averaged once per
-step: one layer's weights and activations exist at a time.
+Stage 1's losses are local to each linear layer and reach no layer's output (so neither DDP's nor
+FSDP's backward hooks would see them). There (`local_losses`) each linear layer backpropagates its
+own loss at the end of its forward, while its layer's weights are gathered; the new parameters it
+trains stay whole on every process, and their gradients are averaged once per step. One layer's
+activations (and, sharded, one layer's weights) exist at a time, and nothing is recomputed.
 
 A sharded stage trains a twin of the module. The module gives its tensors to the twin and keeps
 empty ones, so a tensor nobody else holds (the pipeline drops its teacher) exists only as each
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -61,7 +61,7 @@ class Parallel:
 
     def reduce_gradients(self) -> None:
         """Average the gradients of whole (unsharded) trainable tensors over the processes, once per step."""
-        if not self.local_losses:
+        if not self.local_losses or self.accelerator.num_processes == 1:
             return
         for p in self.params.values():
             if p.grad is not None:
@@ -131,9 +131,26 @@ def data_parallel(
     """The module ready for this launch's data parallelism for the length of a stage; `shard`: FSDP2.
 
     `local_losses`: the stage's loss is the linear layers' `transfer_loss` (stage 1)."""
-    if not shard or accelerator.num_processes == 1:
-        yield Parallel(accelerator.prepare(module), params, False, accelerator)
-        return
+    sharded = shard and accelerator.num_processes > 1
+    if sharded:
+        model, params, restore = _shard(module, params, accelerator, local_losses)
+    elif local_losses:  # replicated by hand: the gradients are averaged once per step, no DDP hooks
+        model, restore = module, None
+    else:
+        model, restore = accelerator.prepare(module), None
+    parallel = Parallel(model, params, sharded, accelerator, local_losses)
+    hooks = [layer.register_forward_hook(parallel.backward_here) for layer in linear_layers(model)] if local_losses else []
+    yield parallel
+    for hook in hooks:
+        hook.remove()
+    if restore is not None:
+        restore()
+
+
+def _shard(
+    module: torch.nn.Module, params: dict[str, torch.nn.Parameter], accelerator: Accelerator, local_losses: bool
+) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter], Callable[[], None]]:
+    """(the sharded twin, its trainable tensors under `params`' names, what puts the trained whole tensors back)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -153,13 +170,13 @@ def data_parallel(
         fully_shard(layer, mesh=mesh, ignored_params=whole)
     fully_shard(twin, mesh=mesh, ignored_params=whole)
     shards = dict(twin.named_parameters(remove_duplicate=False))
-    parallel = Parallel(twin, {name: shards[inside[id(p)]] for name, p in params.items()}, True, accelerator, local_losses)
-    hooks = [layer.register_forward_hook(parallel.backward_here) for layer in linear_layers(twin)] if local_losses else []
-    yield parallel
-    for hook in hooks:
-        hook.remove()
-    gathered: dict[int, torch.Tensor] = {}
-    for name, p in twin.named_parameters(remove_duplicate=False):
-        if id(p) not in gathered:
-            gathered[id(p)] = full(p).detach()
-        originals[name].data = gathered[id(p)]
+
+    def restore() -> None:
+        """Each tensor whole again in the module (gathered on every process), the twin's trained values."""
+        gathered: dict[int, torch.Tensor] = {}
+        for name, p in twin.named_parameters(remove_duplicate=False):
+            if id(p) not in gathered:
+                gathered[id(p)] = full(p).detach()
+            originals[name].data = gathered[id(p)]
+
+    return twin, {name: shards[inside[id(p)]] for name, p in params.items()}, restore

@@ -193,6 +193,11 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
         raise ValueError(f"recipe key 'finetune.loss' must be 'kl' or 'ce', got {recipe.finetune.loss!r}")
     if recipe.finetune.late_weight:
         raise ValueError("recipe key 'finetune.late_weight' has no effect: position weighting is stage 1's, set 'transfer.late_weight'")
+    if recipe.transfer.gradient_checkpointing is not None:
+        raise ValueError(
+            "recipe key 'transfer.gradient_checkpointing' has no effect: stage 1 backpropagates each layer's loss "
+            "in its forward, so one layer's activations exist at a time; remove it (it applies to 'finetune')"
+        )
     if recipe.finetune.lora_layers not in ("linear", "all"):
         raise ValueError(f"recipe key 'finetune.lora_layers' must be 'linear' or 'all', got {recipe.finetune.lora_layers!r}")
     if recipe.layers.placement not in ("spread", "top", "measured"):

@@ -3,7 +3,8 @@
 Stage 1 trains only the linear layers' new parameters: each linear layer, in transfer mode,
 computes the teacher's softmax output on the same input, passes it on and records the MSE of its
 own output against it, so one backbone pass trains every layer and no softmax output is computed
-twice. Stage 2 wraps the swapped layers' projections in peft LoRA adapters and trains them on
+twice. Each layer's loss is local to it, so it is backpropagated at the end of the layer's forward
+(`fsdp.data_parallel(local_losses=True)`): one layer's activations exist at a time, with no recompute. Stage 2 wraps the swapped layers' projections in peft LoRA adapters and trains them on
 next-token CE or on KL to the teacher's logits (computed on the fly), then merges them.
 
 The loop is data-parallel (each process takes its own rows of every step; weights replicated, or
@@ -388,24 +389,19 @@ def run_loop(
 
 
 @contextmanager
-def transfer_mode(
-    model: torch.nn.Module, recompute: bool = False, late_weight: float = 0.0
-) -> Iterator[list[LinearAttention]]:
+def transfer_mode(model: torch.nn.Module, late_weight: float = 0.0) -> Iterator[list[LinearAttention]]:
     """Linear layers compute, record and pass on the teacher's softmax output while inside.
 
-    With `recompute`, each layer's linear path is recomputed in backward instead of kept: every layer's
-    loss is local to it, so activations drop from all linear layers' to one layer's. `late_weight`
-    tilts each layer's MSE toward late positions (`LinearAttention.transfer_late_weight`).
+    `late_weight` tilts each layer's MSE toward late positions (`LinearAttention.transfer_late_weight`).
     """
     layers = linear_layers(model)
     for layer in layers:
-        layer.transfer, layer.checkpoint_linear, layer.transfer_late_weight = True, recompute, late_weight
+        layer.transfer, layer.transfer_late_weight = True, late_weight
     try:
         yield layers
     finally:
         for layer in layers:
-            layer.transfer, layer.transfer_loss, layer.checkpoint_linear = False, None, False
-            layer.transfer_late_weight = 0.0
+            layer.transfer, layer.transfer_loss, layer.transfer_late_weight = False, None, 0.0
 
 
 def attention_transfer(
@@ -426,9 +422,9 @@ def attention_transfer(
     for p in params.values():
         p.requires_grad_(True)
     layer_sums: dict[int, list[float]] = {}
-    recompute, per_pass, _ = transfer_memory_plan(student, stage, weight_bytes(student))
+    per_pass, _ = transfer_memory_plan(student, stage, weight_bytes(student))
 
-    with transfer_mode(student, recompute, stage.late_weight):
+    with transfer_mode(student, stage.late_weight):
 
         def step_loss(backbone: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
             backbone(input_ids=batch, use_cache=False)

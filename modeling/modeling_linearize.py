@@ -237,6 +237,30 @@ def window_block(window: int) -> int:
     return block if block >= 16 or block == window else window
 
 
+WINDOW_GROUP_TOKENS = 512  # queries whose window scores exist at once
+
+
+def _window_group_terms(
+    q_blocks: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, valid: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window softmax terms and row max of consecutive query blocks [B, Hkv, G, n, b, D] (scaled); the
+    key blocks, values (with the normalizer column) and validity run from m = window / b blocks before
+    the first to the last."""
+    n, b = q_blocks.shape[3], q_blocks.shape[4]
+    m = k_blocks.shape[3] - n
+    # Query block i sees key blocks i .. i + m here: scores for the m + 1 of them side by side, one matmul each.
+    scores = torch.cat([q_blocks @ k_blocks[:, :, :, j : j + n].transpose(-1, -2) for j in range(m + 1)], dim=-1)
+    row = torch.arange(b, device=q_blocks.device)[:, None]
+    col = torch.arange(window + b, device=q_blocks.device)[None, :]
+    keys_valid = torch.cat([valid[:, :, :, j : j + n] for j in range(m + 1)], dim=-1)
+    scores.masked_fill_(~(((col > row) & (col <= row + window)) & keys_valid), float("-inf"))
+    c = scores.amax(-1, keepdim=True).clamp_min(-1e4)
+    # In place when nothing will backpropagate through the scores (prefill, scoring, stage 1): one tensor fewer.
+    weights = (scores - c).exp() if scores.requires_grad else scores.sub_(c).exp_()
+    terms = sum(weights[..., j * b : (j + 1) * b] @ v_blocks[:, :, :, j : j + n] for j in range(m + 1))
+    return terms, c
+
+
 def window_softmax_terms(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -282,16 +306,17 @@ def window_softmax_terms(
     k_blocks = F.pad(k, (0, 0, front, 0)).view(B, Hkv, 1, n + m, b, D)
     v_blocks = F.pad(with_normalizer(v), (0, 0, front, 0)).view(B, Hkv, 1, n + m, b, D + 1)
     valid = F.pad(key_valid, (front, 0), value=False).view(B, 1, 1, n + m, 1, b)
-    # Query block i sees key blocks i - m .. i: scores for the m + 1 of them side by side, one matmul each.
-    scores = torch.cat([q_blocks @ k_blocks[:, :, :, j : j + n].transpose(-1, -2) for j in range(m + 1)], dim=-1)
-    row = torch.arange(b, device=q.device)[:, None]
-    col = torch.arange(window + b, device=q.device)[None, :]
-    keys_valid = torch.cat([valid[:, :, :, j : j + n] for j in range(m + 1)], dim=-1)
-    scores.masked_fill_(~(((col > row) & (col <= row + window)) & keys_valid), float("-inf"))
-    c = scores.amax(-1, keepdim=True).clamp_min(-1e4)
-    # In place when nothing will backpropagate through the scores (prefill, scoring, stage 1): one tensor fewer.
-    weights = (scores - c).exp() if scores.requires_grad else scores.sub_(c).exp_()
-    terms = sum(weights[..., j * b : (j + 1) * b] @ v_blocks[:, :, :, j : j + n] for j in range(m + 1))
+    # Scores exist for WINDOW_GROUP_TOKENS queries at a time and are recomputed in backward.
+    per = max(1, WINDOW_GROUP_TOKENS // b)
+    parts = []
+    for first in range(0, n, per):
+        last = min(n, first + per)
+        group = (q_blocks[:, :, :, first:last], *(x[:, :, :, first : last + m] for x in (k_blocks, v_blocks, valid)))
+        if torch.is_grad_enabled() and any(x.requires_grad for x in group):
+            parts.append(checkpoint(_window_group_terms, *group, window, use_reentrant=False))
+        else:
+            parts.append(_window_group_terms(*group, window))
+    terms, c = (torch.cat([part[i] for part in parts], dim=3) for i in (0, 1))
 
     def unblock(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(B, H, n * b, -1)[:, :, -T:]
@@ -421,7 +446,7 @@ class LinearAttention(nn.Module):
         self.transfer_loss: torch.Tensor | None = None
         self.transfer_late_weight = 0.0  # > 0: the transfer MSE weighs position t of T by 1 + w * t / T
         self.teacher_attention = False  # run the teacher's softmax instead (training's KL target, the teacher's scores)
-        self.checkpoint_linear = False  # recompute the linear path in backward (stage 1 on long or many rows)
+        self.checkpoint_linear = False  # recompute the linear path in backward (inside a recomputed decoder layer)
         D = self.head_dim
         if self.map_name == "hedgehog":
             width = settings["feature_dim"] or D

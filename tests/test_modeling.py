@@ -274,10 +274,12 @@ def test_window_blocks_follow_the_window():
 
 @pytest.mark.parametrize("settings", [{"window": 12, "sink": 2}, {"window": 12, "feature_map": "elu", "gate": "key"}])
 def test_window_blocks_smaller_than_the_window_give_the_same_layer(settings, monkeypatch):
-    """Queries in blocks of 4 against a 12-token window (3 key blocks back): the dense math, and the forms agree."""
+    """Queries in blocks of 4 against a 12-token window (3 key blocks back), scored 8 queries at a time (and
+    recomputed so in backward): the dense math, and the forms agree on outputs and gradients."""
     from linearize.modeling import modeling_linearize
 
     monkeypatch.setattr(modeling_linearize, "window_block", lambda window: 4)
+    monkeypatch.setattr(modeling_linearize, "WINDOW_GROUP_TOKENS", 8)
     check_dense_math([LIN], {"gate": "lowrank", **settings}, "chunk")
     model = make_model([LIN, FULL, LIN], {"gate": "lowrank", **settings, "chunk_size": 16}, seed=3)
     ids, mask = left_padded([random_ids(37, seed=1), random_ids(9, seed=2), random_ids(20, seed=3)])

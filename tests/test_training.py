@@ -42,6 +42,42 @@ def test_stage1_lowers_the_transfer_loss(tiny_llama_dir, tiny_tokenizer):
     assert sum(measure_layer_errors(student, rows[0][:4]).values()) < 0.95 * before  # about 0.9x on this model
 
 
+@pytest.mark.parametrize("per_pass", [None, 32])
+def test_stage1_backpropagating_each_layer_in_its_forward_equals_one_backward(tiny_llama_dir, tiny_tokenizer, per_pass):
+    """Stage 1's local losses (each layer's backward at the end of its forward, in passes of one row or not)
+    give the same parameters as the sum of the losses backpropagated once."""
+    from linearize.convert.train import linear_layers, transfer_mode
+
+    stage = dataclasses.replace(Recipe().transfer, tokens=32 * 2 * 3, seq_len=32, batch_size=2, lr=1e-2)
+    rows = _stage_data(stage, tiny_tokenizer, seed=0)
+
+    def step_loss(backbone, batch):
+        backbone(input_ids=batch, use_cache=False)
+        return torch.stack([layer.transfer_loss for layer in linear_layers(backbone)]).sum()
+
+    trained = []
+    for local in (False, True):
+        torch.manual_seed(0)  # the same init of the new parameters
+        _, student = tiny_student(tiny_llama_dir)
+        student.requires_grad_(False)
+        params = new_parameters(student)
+        for p in params.values():
+            p.requires_grad_(True)
+        with transfer_mode(student):
+            result = run_loop(
+                "transfer", student.base_model, params, rows, stage, step_loss, Accelerator(cpu=True), None, per_pass,
+                local_losses=local,
+            )  # fmt: skip
+        trained.append(({k: v.detach().clone() for k, v in params.items()}, [loss for _, loss in result.curve]))
+    (once, once_curve), (local, local_curve) = trained
+    assert local_curve == pytest.approx(once_curve, rel=1e-5)
+    for name, value in local.items():
+        torch.testing.assert_close(value, once[name], rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    untrained = tiny_student(tiny_llama_dir)[1]
+    assert any(not torch.allclose(value, untrained.get_parameter(name)) for name, value in local.items())
+
+
 def test_merged_lora_equals_the_peft_model_and_leaves_the_teacher(tiny_llama_dir, tiny_tokenizer, monkeypatch):
     import peft
 
