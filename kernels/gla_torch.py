@@ -17,6 +17,7 @@ its intra-chunk decay matrix is formed directly, with the future masked before e
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 MIN_LOG_DECAY = -5.0
 SUB_CHUNK = 16
@@ -105,6 +106,21 @@ def gla_recurrent(
     return o.reshape(B, HQ, T, V).to(q.dtype), state
 
 
+def _sub_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, causal: torch.Tensor, start: int
+) -> torch.Tensor:
+    """In-chunk output of the queries q [B, H, N, G, S, K] at `start` of each chunk, from the chunk's keys up
+    to them: with per-channel cumulative log-decays b [B, H, N, C, K], relative to the sub-chunk's first one."""
+    B, H, N, G, S, K = q.shape
+    end = start + S
+    ref = b[:, :, :, start : start + 1]
+    qi = q * (b[:, :, :, start:end] - ref).exp().unsqueeze(3)
+    ki = k[:, :, :, :end] * (ref - b[:, :, :, :end]).exp()
+    scores = (qi.view(B, H, N, G * S, K) @ ki.transpose(-1, -2)).view(B, H, N, G, S, end)
+    scores = scores.masked_fill(~causal[start:end, :end], 0.0)
+    return (scores.view(B, H, N, G * S, end) @ v[:, :, :, :end]).view(B, H, N, G, S, v.shape[-1])
+
+
 def gla_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -157,15 +173,12 @@ def gla_chunked(
         scores = (q.view(B, H, N, G * C, K) @ k.transpose(-1, -2)).view(B, H, N, G, C, C) * decay.unsqueeze(3)
         o = o + (scores.view(B, H, N, G * C, C) @ v).view(B, H, N, G, C, V)
     else:
-        # Per key channel: one reference point per query sub-chunk keeps every exponent in range.
+        # Per key channel: one reference point per query sub-chunk keeps every exponent in range. Each
+        # sub-chunk's decayed copies of q and k are recomputed in backward rather than kept.
+        grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, b))
         for start in range(0, C, SUB_CHUNK):
-            end = start + SUB_CHUNK
-            ref = b[:, :, :, start : start + 1]
-            qi = q[:, :, :, :, start:end] * (b[:, :, :, start:end] - ref).exp().unsqueeze(3)
-            ki = k[:, :, :, :end] * (ref - b[:, :, :, :end]).exp()
-            scores = (qi.view(B, H, N, G * SUB_CHUNK, K) @ ki.transpose(-1, -2)).view(B, H, N, G, SUB_CHUNK, end)
-            scores = scores.masked_fill(~causal[start:end, :end], 0.0)
-            part = scores.view(B, H, N, G * SUB_CHUNK, end) @ v[:, :, :, :end]
-            o[:, :, :, :, start:end] += part.view(B, H, N, G, SUB_CHUNK, V)
+            inputs = (q[:, :, :, :, start : start + SUB_CHUNK], k, v, b, causal, start)
+            part = checkpoint(_sub_chunk, *inputs, use_reentrant=False) if grads else _sub_chunk(*inputs)
+            o[:, :, :, :, start : start + SUB_CHUNK] += part
     o = o.transpose(2, 3).reshape(B, HQ, N * C, V)[:, :, :T]
     return o.to(dtype), state
