@@ -74,9 +74,9 @@ def transfer_activation_bytes(student: torch.nn.Module, tokens: int) -> int:
     return sum(tokens * 4 * TRANSFER_VALUES_PER_FEATURE * m.n_heads * m.feature_channels for m in layers)
 
 
-# A CPU conversion's peak RSS with glibc's default policy, as a multiple of the weights (measured: 5.8x on a
-# random 218M Llama, 3.3x on SmolLM2-135M); above half the free RAM, freed memory goes back to the OS.
-FAST_PEAK_OVER_WEIGHTS = 6
+# A CPU conversion's peak RSS with glibc's default policy, as a multiple of the weights (measured: 4.6x on a
+# random 218M Llama); above half the free RAM, freed memory goes back to the OS.
+FAST_PEAK_OVER_WEIGHTS = 5
 
 
 def needs_low_memory(weights: int) -> bool:
@@ -89,9 +89,9 @@ def return_freed_memory() -> None:
     """Make freed tensors go back to the OS (Linux glibc): peak RSS stays near the working set.
 
     glibc serves a large block from the heap once a block of its size was freed (its mmap threshold
-    rises), and heap memory is rarely returned, so RSS climbs stage by stage (5.8x the weights on a
+    rises), and heap memory is rarely returned, so RSS climbs stage by stage (4.6x the weights on a
     random 218M Llama). A fixed 1 MiB threshold keeps every larger tensor in its own mapping, unmapped
-    when freed (2.6x there), at the price of page faults on every such allocation (1.7x the time on
+    when freed (2.4x there), at the price of page faults on every such allocation (1.7x the time on
     2 cores). Process-wide: the CLI calls it for `--low-memory` runs.
     """
     if not sys.platform.startswith("linux"):

@@ -106,8 +106,8 @@ def convert_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--low-memory",
         action="store_true",
-        help="CPU: return freed memory to the OS at once (peak RSS ~2.6x the weights instead of ~6x, ~1.7x slower); "
-        "on by itself when ~6x the weights would exceed half the free RAM",
+        help="CPU: return freed memory to the OS at once (peak RSS ~2.4x the weights instead of ~4.6x, ~1.7x slower); "
+        "on by itself when ~5x the weights would exceed half the free RAM",
     )
     out.add_argument(
         "--dry-run",
