@@ -3,13 +3,15 @@
 Stage 1 trains only the linear layers' new parameters: each linear layer, in transfer mode,
 computes the teacher's softmax output on the same input, passes it on and records the MSE of its
 own output against it, so one backbone pass trains every layer and no softmax output is computed
-twice. Each layer's loss is local to it, so it is backpropagated at the end of the layer's forward
-(`fsdp.data_parallel(local_losses=True)`): one layer's activations exist at a time, with no recompute. Stage 2 wraps the swapped layers' projections in peft LoRA adapters and trains them on
-next-token CE or on KL to the teacher's logits (computed on the fly), then merges them.
+twice. Each layer's loss is local to it, so it is backpropagated at the end of the layer's
+forward (`fsdp.data_parallel(local_losses=True)`): one layer's activations exist at a time, with
+no recompute. Stage 2 wraps the swapped layers' projections in peft LoRA adapters and trains them
+on next-token CE or on KL to the teacher's logits (computed on the fly), then merges them.
 
-The loop is data-parallel (each process takes its own rows of every step; weights replicated, or
-sharded under `accelerate launch --use_fsdp`, see `fsdp.py`), checkpoints trainable parameters and optimizer state to safetensors, resumes from the last
-checkpoint, saves and stops cleanly on Ctrl-C, and refuses to continue past a NaN/inf loss.
+The loop is data-parallel (each process takes its own rows of every step; the weights replicated,
+or sharded with `--fsdp`, see `fsdp.py`), checkpoints trainable parameters and optimizer state to
+safetensors, resumes from the last checkpoint, saves and stops cleanly on Ctrl-C, and refuses to
+continue past a NaN/inf loss.
 """
 
 from __future__ import annotations
