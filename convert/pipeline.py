@@ -31,7 +31,7 @@ from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
 from .budget import parameter_count, peak_rss_bytes, weight_bytes
 from .export import check_output, default_model_card, export
-from .fsdp import sharding_requested
+from .parallel import sharding_requested
 from .measure import perplexity
 from .plan import describe, plan_layers
 from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_recipe_for
@@ -434,7 +434,7 @@ def convert(
     Returns (student, report). Inputs are checked before anything loads; then the teacher loads, the
     layers are chosen, the student is built on the teacher's own weights, trained, measured and exported.
     `shard` (default: whether the launch was `accelerate launch --use_fsdp`) shards the weights over the
-    processes while the stages train (FSDP2, `fsdp.py`).
+    processes while the stages train (FSDP2, `parallel.py`).
     """
     started = time.perf_counter()
     recipe = recipe or default_recipe(teacher)

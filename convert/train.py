@@ -4,12 +4,12 @@ Stage 1 trains only the linear layers' new parameters: each linear layer, in tra
 computes the teacher's softmax output on the same input, passes it on and records the MSE of its
 own output against it, so one backbone pass trains every layer and no softmax output is computed
 twice. Each layer's loss is local to it, so it is backpropagated at the end of the layer's
-forward (`fsdp.data_parallel(local_losses=True)`): one layer's activations exist at a time, with
+forward (`parallel.data_parallel(local_losses=True)`): one layer's activations exist at a time, with
 no recompute. Stage 2 wraps the swapped layers' projections in peft LoRA adapters and trains them
 on next-token CE or on KL to the teacher's logits (computed on the fly), then merges them.
 
 The loop is data-parallel (each process takes its own rows of every step; the weights replicated,
-or sharded with `--fsdp`, see `fsdp.py`), checkpoints trainable parameters and optimizer state to
+or sharded with `--fsdp`, see `parallel.py`), checkpoints trainable parameters and optimizer state to
 safetensors, resumes from the last checkpoint, saves and stops cleanly on Ctrl-C, and refuses to
 continue past a NaN/inf loss.
 """
@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from ..modeling.families import family_of
 from .budget import finetune_memory_plan, transfer_memory_plan, weight_bytes
-from .fsdp import data_parallel, full, like, linear_layers
+from .parallel import data_parallel, full, like, linear_layers
 from .measure import final_hidden_states, head_logits
 from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
 from .recipes import Stage
@@ -281,13 +281,13 @@ def run_loop(
 ) -> StageResult:
     """Optimize `params` on `data` (one [N, L] tensor, or one per curriculum length) for the stage's
     token budget; checkpointed and resumable. The module runs as the launch asked: in one process,
-    replicated (DDP) or sharded (FSDP2, `fsdp.data_parallel`); `step_loss` gets what to call and must
+    replicated (DDP) or sharded (FSDP2, `parallel.data_parallel`); `step_loss` gets what to call and must
     reach every module through it, since a sharded stage calls a twin of `module`.
 
     `tokens_per_pass` caps the rows one forward takes: a step's rows then run in several passes whose
     gradients add up (the same update as one pass, weighted by rows), so activation memory follows the
     cap, not the batch. `shard` shards the weights over the processes while the stage trains (FSDP2);
-    `local_losses` says the loss is the linear layers' own transfer losses (stage 1, see `fsdp.py`)."""
+    `local_losses` says the loss is the linear layers' own transfer losses (stage 1, see `parallel.py`)."""
     world, rank = accelerator.num_processes, accelerator.process_index
     phases = plan_phases(data, stage, world)
     total = sum(p.steps for p in phases)
