@@ -68,9 +68,9 @@ def tokens_per_pass(per_token_bytes: int, weights: int) -> int:
 
 def transfer_activation_bytes(student: torch.nn.Module, tokens: int) -> int:
     """Activations stage 1 keeps for backward at `tokens` tokens per step, when nothing is recomputed."""
-    from ..modeling.modeling_linearize import LinearAttention
+    from .parallel import linear_layers
 
-    layers = [m for m in student.modules() if isinstance(m, LinearAttention)]
+    layers = linear_layers(student)
     return sum(tokens * 4 * TRANSFER_VALUES_PER_FEATURE * m.n_heads * m.feature_channels for m in layers)
 
 
@@ -108,22 +108,21 @@ def transfer_memory_plan(student: torch.nn.Module, stage, weights: int) -> tuple
     Each linear layer backpropagates its own loss at the end of its forward, so one layer's
     activations exist at a time.
     """
-    from ..modeling.modeling_linearize import LinearAttention
+    from .parallel import linear_layers
 
-    linear = max(1, sum(isinstance(m, LinearAttention) for m in student.modules()))
-    per_token = transfer_activation_bytes(student, 1) // linear
+    per_token = transfer_activation_bytes(student, 1) // max(1, len(linear_layers(student)))
     return tokens_per_pass(per_token, weights), per_token
 
 
 def finetune_memory_plan(student: torch.nn.Module, stage, weights: int) -> tuple[bool, int, int]:
     """Stage 2's (recompute each decoder layer and linear path, tokens per pass, activation bytes per token)."""
-    from ..modeling.modeling_linearize import LinearAttention
+    from .parallel import linear_layers
 
     dtype = next(student.parameters()).dtype
     recompute = stage.gradient_checkpointing
     if recompute is None:
         recompute = activation_bytes(student.config, stage.batch_size * stage.seq_lens[0], dtype) > weights
-    linear = max(1, sum(isinstance(m, LinearAttention) for m in student.modules()))
+    linear = max(1, len(linear_layers(student)))
     per_token = activation_bytes(student.config, 1, dtype, recompute)
     per_token += transfer_activation_bytes(student, 1) // (linear if recompute else 1)
     return recompute, tokens_per_pass(per_token, weights), per_token

@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsdp", action="store_true", help="pass --fsdp: shard the weights over the processes")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
+    if args.processes < 1 or (args.fsdp and args.processes < 2):
+        p.error("--processes takes 1 or more, and --fsdp needs 2 or more: e.g. --processes 2 --fsdp")
     from rich.console import Console
     from rich.table import Table
 
