@@ -105,6 +105,10 @@ _HEADER_NIAH = (
 )
 
 
+class PromptTooShort(ValueError):
+    """A length too short for a task's fixed text (instruction, needles, question)."""
+
+
 @dataclass(frozen=True)
 class Prompt:
     """What a task puts around the haystack; needles are (depth, sentence) in the order they must appear."""
@@ -184,9 +188,9 @@ def _prose() -> str:
     return heldout_text().strip()
 
 
-def _source(task: str) -> tuple[str, str]:
-    """The task's filler and the separator between its repeats."""
-    return (PASSKEY_FILLER.strip(), " ") if task == "passkey" else (_prose(), "\n\n")
+def _source(task: str, prose: str | None = None) -> tuple[str, str]:
+    """The task's filler and the separator between its repeats; `prose` replaces the held-out text."""
+    return (PASSKEY_FILLER.strip(), " ") if task == "passkey" else (prose or _prose(), "\n\n")
 
 
 def count_tokens(tokenizer: PreTrainedTokenizerBase, text: str, special: bool = True) -> int:
@@ -235,9 +239,17 @@ def _render(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, haystack: str) -
 
 
 def make_prompt(
-    task: str, tokenizer: PreTrainedTokenizerBase, tokens: int, depth: float, rng: random.Random
+    task: str,
+    tokenizer: PreTrainedTokenizerBase,
+    tokens: int,
+    depth: float,
+    rng: random.Random,
+    prose: str | None = None,
 ) -> tuple[str, str]:
     """(prompt, answer) for `task` with `tokens` prompt tokens (at most `TOLERANCE` fewer) and the needle at `depth`.
+
+    `prose`: the haystack text of the prose tasks instead of the held-out slice (retrieval placement
+    probes the teacher on training text).
 
     The haystack is an excerpt of the task's filler (repeated as needed) that ends at a sentence end
     and starts at a word or punctuation mark; its start is binary-searched so the whole prompt hits the target.
@@ -246,11 +258,11 @@ def make_prompt(
     fixed = count_tokens(tokenizer, _render(tokenizer, prompt, ""))
     budget = tokens - fixed
     if budget < 1:
-        raise ValueError(
+        raise PromptTooShort(
             f"{tokens} prompt tokens are too few for {task}: its instruction, needles and question alone take "
             f"{fixed}; use a longer length"
         )
-    source, sep = _source(task)
+    source, sep = _source(task, prose)
     chars_per_token = len(source) / count_tokens(tokenizer, source, special=False)
     need = int(2 * tokens * chars_per_token) + 200
     tape = sep.join([source] * (need // len(source) + 2))
