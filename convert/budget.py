@@ -187,7 +187,8 @@ def dry_run(recipe, device: torch.device) -> dict:
     from transformers import AutoModelForCausalLM
 
     from ..modeling.configuration_linearize import LINEAR
-    from .plan import describe, plan_layers
+    from .plan import SCORED, describe, plan_layers
+    from .retrieval import probe_token_count
     from .sources import load_config
     from .swap import linearize_model, new_parameters
     from .train import LOSS_CHUNK_TOKENS
@@ -197,8 +198,8 @@ def dry_run(recipe, device: torch.device) -> dict:
     dtype = recipe.torch_dtype(device)
     n_layers = base.num_hidden_layers
     layers = recipe.layers
-    linear = layers.linear_layers or (layers.measured if layers.placement == "measured" else None)
-    placement = "spread" if layers.placement == "measured" else layers.placement
+    linear = layers.linear_layers or (layers.measured if layers.placement in SCORED else None)
+    placement = "spread" if layers.placement in SCORED else layers.placement
     types = plan_layers(n_layers, layers.ratio, placement, linear, layers.keep_softmax)
     with torch.device("meta"):
         teacher = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -227,17 +228,19 @@ def dry_run(recipe, device: torch.device) -> dict:
         "transfer": 2 * body * (1 + 0.25 * n_linear / n_layers) + 6 * new,
         "finetune": 2 * (body + head) * (2 + kl + checkpointed) + 6 * lora,
     }
+    probed = probe_token_count(recipe.attention.window, getattr(base, "max_position_embeddings", None))
     seconds = {
         "measuring pass": per_token["transfer"] * min(8192, recipe.transfer.tokens or 8192) / flops
         if layers.placement == "measured" and not linear
         else 0.0,
+        "retrieval probe": 2 * body * probed / flops if layers.placement == "retrieval" and not linear else 0.0,
         "transfer": per_token["transfer"] * recipe.transfer.tokens / flops,
         "finetune": per_token["finetune"] * recipe.finetune.tokens / flops,
         "perplexity": 3 * 2 * (body + head) * recipe.eval.heldout_tokens / flops,
     }
     plan = describe(types)
-    if layers.placement == "measured" and not linear:
-        plan += " (measured placement: the softmax layers are chosen by the measuring pass; shown spread)"
+    if layers.placement in SCORED and not linear:
+        plan += f" ({layers.placement} placement: the softmax layers are chosen when the run scores them; shown spread)"
     gib = 2**30
     rows = [
         ("model config", f"{base.model_type}, {n_layers} layers, hidden {h}, vocab {base.vocab_size}"),

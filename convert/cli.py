@@ -14,6 +14,8 @@ import logging
 import os
 import re
 
+from .plan import PLACEMENTS
+
 EXAMPLES = """examples:
   linearize --model llama --ratio 3:1                       # embedded SmolLM2-135M, GLA, recipe smollm2-gla
   linearize --model smollm2 --attention performer --recipe smollm2-performer --output out/perf
@@ -53,7 +55,12 @@ def convert_parser() -> argparse.ArgumentParser:
     plan = p.add_argument_group("layer plan")
     plan.add_argument("--ratio", help="linear:softmax layers, e.g. 3:1, 1:1, 1:0 (all linear)")
     plan.add_argument("--linear-layers", help="explicit comma-separated layer indices to make linear, e.g. 0,1,2,4")
-    plan.add_argument("--placement", choices=["spread", "top", "measured"], help="where the softmax layers go")
+    plan.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        help="where the softmax layers go: spread evenly, top, measured (worst transfer error) or retrieval "
+        "(the teacher's long-range retrieval layers)",
+    )
     plan.add_argument("--keep-softmax", help="comma-separated layers that always keep softmax, e.g. 0,1 ('' for none)")
     att = p.add_argument_group("linear attention")
     att.add_argument("--attention", choices=["gla", "performer", "deltanet"], help="kind of linear attention")

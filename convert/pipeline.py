@@ -33,8 +33,9 @@ from .budget import parameter_count, peak_rss_bytes, weight_bytes
 from .export import check_output, default_model_card, export
 from .parallel import sharding_requested
 from .measure import perplexity
-from .plan import describe, plan_layers
+from .plan import SCORED, describe, plan_layers
 from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_recipe_for
+from .retrieval import haystack_text, retrieval_scores
 from .sources import check_weights, load_config, load_model, materialize, resolve
 from .swap import check_supported, linearize_model, new_parameters
 from .train import StageResult, attention_transfer, lora_finetune, measure_layer_errors
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 MEASURE_TOKENS = 8192  # stage-1 budget of the all-linear pass that `measured` placement ranks layers with
 MEASURE_ROWS_TOKENS = 2048  # tokens its per-layer errors are measured on
+SCORE_KINDS = ("layer_errors", "retrieval_scores")  # the per-layer rankings a work folder keeps
 
 
 @dataclass
@@ -59,7 +61,8 @@ class ConversionReport:
     perplexity: dict[str, float] = field(default_factory=dict)  # teacher, zero_shot, student
     heldout_tokens: int = 0
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
-    layer_errors: dict[str, float] = field(default_factory=dict)
+    layer_errors: dict[str, float] = field(default_factory=dict)  # measured placement's ranking
+    retrieval_scores: dict[str, float] = field(default_factory=dict)  # retrieval placement's ranking
     memory: dict[str, Any] = field(default_factory=dict)  # peak bytes against the teacher's weight bytes
     seconds: float = 0.0
     output: str | None = None
@@ -71,6 +74,11 @@ class ConversionReport:
         """(metric, value) rows for the before/after table."""
         ppl = self.perplexity
         rows = [("model", f"{self.model} -> {self.resolved}"), ("layer plan (L linear, S softmax)", self.plan)]
+        if self.retrieval_scores:
+            score = {int(i): v for i, v in self.retrieval_scores.items()}
+            kept = sorted((i for i, kind in enumerate(self.layer_types) if kind != LINEAR), key=lambda i: -score[i])
+            scores = ", ".join(f"{i} ({score[i]:.2f})" for i in kept)
+            rows.append(("softmax layers by retrieval score", scores))
         for key, label in (("teacher", "teacher"), ("zero_shot", "student, no training"), ("student", "student")):
             if key in ppl:
                 ratio = f" ({ppl[key] / ppl['teacher']:.3f}x teacher)" if key != "teacher" and "teacher" in ppl else ""
@@ -268,9 +276,9 @@ def check_inputs(teacher: PreTrainedModel | str, recipe: Recipe, output: Path | 
     """
     if output is not None:
         check_output_writable(output, overwrite)
-    measuring = recipe.layers.placement == "measured" and not recipe.layers.linear_layers
+    scoring = recipe.layers.placement in SCORED and not recipe.layers.linear_layers  # it reads the transfer data
     for stage in (recipe.transfer, recipe.finetune):
-        if stage.tokens or (measuring and stage is recipe.transfer):
+        if stage.tokens or (scoring and stage is recipe.transfer):
             data_lib.check_dataset(stage.dataset)
     if isinstance(teacher, str):
         source = resolve(teacher)
@@ -282,7 +290,7 @@ def check_inputs(teacher: PreTrainedModel | str, recipe: Recipe, output: Path | 
     check_supported(config)
     n_layers = text_config(config).num_hidden_layers
     layers = recipe.layers
-    placement = "spread" if layers.placement == "measured" else layers.placement  # the measured ranking comes later
+    placement = "spread" if layers.placement in SCORED else layers.placement  # the scores come later
     plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax)
 
 
@@ -313,6 +321,16 @@ def open_work_dir(
     return work or WorkDir(path, _fingerprint(recipe, spec), overwrite, writer=False)
 
 
+@dataclass
+class Selection:
+    """What stage 1 decided: the plan, the per-layer scores it was ranked by, and parameters already trained."""
+
+    types: list[str]
+    layer_errors: dict[int, float] = field(default_factory=dict)  # measured: relative transfer error
+    retrieval_scores: dict[int, float] = field(default_factory=dict)  # retrieval: attention on far facts
+    trained: dict[str, torch.Tensor] | None = None  # the measuring pass's new parameters, when they fit
+
+
 def select_layers(
     teacher: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -321,21 +339,23 @@ def select_layers(
     work: WorkDir | None,
     accelerator: Accelerator,
     shard: bool = False,
-) -> tuple[list[str], dict[int, float], dict[str, torch.Tensor] | None]:
-    """Stage 1: the layer plan, its per-layer errors, and the new parameters the measuring pass trained (or None).
+) -> Selection:
+    """Stage 1: the layer plan, from the recipe, or scored on the teacher by a scored placement.
 
-    `measured` placement trains every layer as linear on a short transfer and keeps softmax where the
-    error is largest; a recipe's kept plan serves its own model without measuring.
+    `measured` trains every layer as linear on a short transfer and keeps softmax where the error is
+    largest; `retrieval` keeps softmax where the teacher's heads fetch a fact from beyond the window.
+    A recipe's kept plan serves its own model without scoring.
     """
     n_layers = text_config(teacher.config).num_hidden_layers
     settings = recipe.linear_attention()
-    layer_errors = {} if work is None else {int(k): v for k, v in (work.get("layer_errors") or {}).items()}
-    linear = recipe.layers.linear_layers
-    trained = None
-    if recipe.layers.placement == "measured" and not linear and own_model and recipe.layers.measured:
-        linear = recipe.layers.measured
-        logger.info("using the recipe's measured plan")
-    if recipe.layers.placement == "measured" and not linear and not layer_errors:
+    layers = recipe.layers
+    saved = {} if work is None else work.get("layer_scores") or {}
+    selection = Selection(types=[], **{k: {int(i): v for i, v in saved.get(k, {}).items()} for k in SCORE_KINDS})
+    linear = layers.linear_layers
+    if layers.placement in SCORED and not linear and own_model and layers.measured:
+        linear = layers.measured
+        logger.info("using the recipe's kept %s plan", layers.placement)
+    if layers.placement == "measured" and not linear and not selection.layer_errors:
         logger.info("measuring every layer as linear with a short attention transfer")
         # Layers are ranked with the feature maps on RoPE'd q/k, as the teacher sees them: that ranking
         # measured better for students of either kind (README, "Length").
@@ -348,16 +368,23 @@ def select_layers(
         )
         rows = _stage_data(stage, tokenizer, recipe.seed)[0]
         attention_transfer(every, rows, stage, accelerator, None, shard)
-        layer_errors = measure_layer_errors(every, rows[: max(1, MEASURE_ROWS_TOKENS // rows.shape[1])])
+        selection.layer_errors = measure_layer_errors(every, rows[: max(1, MEASURE_ROWS_TOKENS // rows.shape[1])])
         if measure_settings == settings:  # its maps fit the student's inputs: a head start for stage 1
-            trained = {name: p.detach() for name, p in new_parameters(every).items()}
-        if work is not None:
-            work.put("layer_errors", layer_errors)
-    errors = [layer_errors.get(i, 0.0) for i in range(n_layers)] if layer_errors else None
-    layers = recipe.layers
-    types = plan_layers(n_layers, layers.ratio, layers.placement, linear, layers.keep_softmax, errors)
-    logger.info("layer plan %s", describe(types))
-    return types, layer_errors, trained
+            selection.trained = {name: p.detach() for name, p in new_parameters(every).items()}
+    if layers.placement == "retrieval" and not linear and not selection.retrieval_scores:
+        logger.info("scoring the teacher's layers by their attention on far-back facts")
+        stage = recipe.transfer
+        texts = data_lib.load_texts(stage.dataset, stage.split, stage.text_field, stage.dataset_config)
+        selection.retrieval_scores = retrieval_scores(teacher, tokenizer, settings, haystack_text(texts), recipe.seed)
+    if work is not None:
+        work.put("layer_scores", {k: getattr(selection, k) for k in SCORE_KINDS if getattr(selection, k)})
+    scores = selection.retrieval_scores if layers.placement == "retrieval" else selection.layer_errors
+    ranked = [scores.get(i, 0.0) for i in range(n_layers)] if scores else None
+    # retrieval on a context too short to reach past the window: nothing to rank by (retrieval_scores warned)
+    placement = "spread" if layers.placement == "retrieval" and not scores else layers.placement
+    selection.types = plan_layers(n_layers, layers.ratio, placement, linear, layers.keep_softmax, ranked)
+    logger.info("layer plan %s", describe(selection.types))
+    return selection
 
 
 def train_student(
@@ -383,8 +410,8 @@ def train_student(
 
 
 def effective_recipe(recipe: Recipe, types: list[str]) -> Recipe:
-    """The recipe as run: a measured plan is kept in it, so `--recipe` on its YAML repeats the run without measuring."""
-    if recipe.layers.placement != "measured" or recipe.layers.linear_layers:
+    """The recipe as run: a scored plan is kept in it, so `--recipe` on its YAML repeats the run without scoring."""
+    if recipe.layers.placement not in SCORED or recipe.layers.linear_layers:
         return recipe
     linear = [i for i, kind in enumerate(types) if kind == LINEAR]
     return dataclasses.replace(recipe, layers=dataclasses.replace(recipe.layers, measured=linear))
@@ -447,13 +474,14 @@ def convert(
     work = open_work_dir(output, work_dir, recipe, spec, overwrite, accelerator)
     own_model = by_spec and _spec(recipe.model) == spec  # a model in memory cannot be told apart: it is measured
     shard = sharding_requested(shard)
-    types, layer_errors, trained = select_layers(teacher, tokenizer, recipe, own_model, work, accelerator, shard)
+    selection = select_layers(teacher, tokenizer, recipe, own_model, work, accelerator, shard)
+    types = selection.types
     settings = recipe.linear_attention()
     student = linearize_model(teacher, types, settings, spec)
-    if trained is not None:
+    if selection.trained is not None:
         with torch.no_grad():
             for name, p in new_parameters(student).items():
-                p.copy_(trained[name])
+                p.copy_(selection.trained[name])
 
     main = accelerator.is_main_process
     report = ConversionReport(
@@ -464,7 +492,8 @@ def convert(
         attention=settings,
         plan=describe(types),
         layer_types=types,
-        layer_errors={str(k): v for k, v in sorted(layer_errors.items())},
+        layer_errors={str(k): v for k, v in sorted(selection.layer_errors.items())},
+        retrieval_scores={str(k): v for k, v in sorted(selection.retrieval_scores.items())},
         heldout_tokens=recipe.eval.heldout_tokens,
         output=None if output is None else str(output),
     )

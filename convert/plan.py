@@ -3,7 +3,8 @@
 A plan is a list of layer types. It comes from an explicit list of indices, or from a ratio
 (linear:softmax) and a placement: `spread` puts the softmax layers evenly through the depth, `top`
 keeps softmax in the top layers, `measured` keeps softmax where a short attention transfer matched
-the teacher worst.
+the teacher worst, `retrieval` where the teacher's heads fetch a fact from beyond the window
+(`retrieval.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import re
 
 FULL, LINEAR = "full_attention", "linear_attention"
 RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+PLACEMENTS = ("spread", "top", "measured", "retrieval")
+SCORED = ("measured", "retrieval")  # placements that rank layers by a per-layer score the run measures
 
 
 def parse_ratio(text: str) -> tuple[int, int]:
@@ -53,9 +56,9 @@ def choose_softmax(
     ratio: tuple[int, int],
     placement: str,
     keep_softmax: list[int] | None = None,
-    layer_errors: list[float] | None = None,
+    layer_scores: list[float] | None = None,
 ) -> list[int]:
-    """Indices that keep softmax attention under a ratio and placement."""
+    """Indices that keep softmax attention under a ratio and placement; a scored placement keeps the highest."""
     keep = parse_layers(keep_softmax, num_layers) if keep_softmax else []
     wanted = max(softmax_count(num_layers, ratio), len(keep))
     free = [i for i in range(num_layers) if i not in keep]
@@ -67,12 +70,12 @@ def choose_softmax(
         picked = [free[int((j + 1) * len(free) / extra) - 1] for j in range(extra)]
     elif placement == "top":
         picked = free[-extra:]
-    elif placement == "measured":
-        if layer_errors is None or len(layer_errors) != num_layers:
-            raise ValueError("measured placement needs one transfer error per layer")
-        picked = sorted(free, key=lambda i: layer_errors[i], reverse=True)[:extra]
+    elif placement in SCORED:
+        if layer_scores is None or len(layer_scores) != num_layers:
+            raise ValueError(f"{placement} placement needs one score per layer")
+        picked = sorted(free, key=lambda i: layer_scores[i], reverse=True)[:extra]
     else:
-        raise ValueError(f"unknown placement {placement!r}: use spread, top or measured")
+        raise ValueError(f"unknown placement {placement!r}: use {', '.join(PLACEMENTS[:-1])} or {PLACEMENTS[-1]}")
     return sorted(set(keep) | set(picked))
 
 
@@ -87,7 +90,7 @@ def plan_layers(
     placement: str = "spread",
     linear_layers: str | list[int] | None = None,
     keep_softmax: list[int] | None = None,
-    layer_errors: list[float] | None = None,
+    layer_scores: list[float] | None = None,
 ) -> list[str]:
     """The full plan: explicit indices win over ratio and placement (an explicit empty list is an error)."""
     if linear_layers is not None:
@@ -95,7 +98,7 @@ def plan_layers(
     else:
         if ratio is None:
             raise ValueError("no layer plan: pass --ratio (e.g. 3:1) or --linear-layers (e.g. 0,1,2)")
-        softmax = choose_softmax(num_layers, parse_ratio(ratio), placement, keep_softmax, layer_errors)
+        softmax = choose_softmax(num_layers, parse_ratio(ratio), placement, keep_softmax, layer_scores)
         linear = [i for i in range(num_layers) if i not in softmax]
     if not linear:
         raise ValueError("the plan makes no layer linear: lower the softmax share or shrink keep_softmax")

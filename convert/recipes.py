@@ -21,7 +21,7 @@ import yaml
 
 from ..modeling.configuration_linearize import LINEAR_ATTENTION_DEFAULTS, validate_linear_attention
 from .data import is_offline
-from .plan import parse_ratio
+from .plan import PLACEMENTS, parse_ratio
 
 
 def auto_dtype(device: torch.device | str) -> torch.dtype:
@@ -32,11 +32,12 @@ def auto_dtype(device: torch.device | str) -> torch.dtype:
 @dataclass
 class LayerPlan:
     ratio: str | None = "3:1"  # linear:softmax
-    placement: str = "spread"  # spread | top | measured
+    placement: str = "spread"  # spread | top | measured | retrieval
     linear_layers: list[int] | None = None  # explicit indices override ratio/placement
     keep_softmax: list[int] = field(default_factory=list)  # layers that never become linear
-    # The linear layers `measured` placement chose for the recipe's own model, reused for it instead
-    # of re-measuring (the measuring pass is short and noisy); ignored for any other model.
+    # The linear layers a scored placement (measured, retrieval) chose for the recipe's own model,
+    # reused for it instead of measuring again (the transfer ranking is short and noisy); ignored for
+    # any other model.
     measured: list[int] | None = None
 
 
@@ -200,8 +201,8 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
         )
     if recipe.finetune.lora_layers not in ("linear", "all"):
         raise ValueError(f"recipe key 'finetune.lora_layers' must be 'linear' or 'all', got {recipe.finetune.lora_layers!r}")
-    if recipe.layers.placement not in ("spread", "top", "measured"):
-        raise ValueError(f"recipe key 'layers.placement' must be spread, top or measured, got {recipe.layers.placement!r}")
+    if recipe.layers.placement not in PLACEMENTS:
+        raise ValueError(f"recipe key 'layers.placement' must be one of {', '.join(PLACEMENTS)}, got {recipe.layers.placement!r}")
     for name in ("transfer", "finetune"):
         lengths = getattr(recipe, name).seq_lens
         if not lengths or any(n < 2 for n in lengths):
@@ -289,7 +290,7 @@ def load_recipe(name_or_path: str) -> Recipe:
 
 
 # Every model without a shipped recipe gets the method the embedded default proved (window + sinks,
-# measured placement, attention transfer then LoRA-KL), with token budgets scaled to its size.
+# retrieval placement, attention transfer then LoRA-KL), with token budgets scaled to its size.
 GENERIC_BASE = "smollm2-gla"
 BASE_PARAMS = 135e6  # the size the base recipe's (CPU) budgets were measured on
 GPU_TOKENS = 20_000_000  # LoLCATs' per-stage budget for an 8B model on a GPU
@@ -316,7 +317,7 @@ def generic_recipe(model: str, n_params: int, accelerated: bool) -> Recipe:
     return dataclasses.replace(
         base,
         name="generic",
-        description=f"{base.name}'s method (window, sinks, measured placement, transfer then LoRA-KL), "
+        description=f"{base.name}'s method (window, sinks, retrieval placement, transfer then LoRA-KL), "
         f"budgets for {n_params / 1e6:,.0f}M parameters on a {where}",
         model=model,
         aliases=[],

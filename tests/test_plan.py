@@ -62,19 +62,19 @@ def test_top_keeps_softmax_in_the_top_layers():
 
 def test_measured_keeps_softmax_where_transfer_matched_worst():
     errors = [0.1, 0.9, 0.2, 0.5]
-    assert softmax_indices(plan_layers(4, "1:1", placement="measured", layer_errors=errors)) == [1, 3]
-    assert softmax_indices(plan_layers(4, "3:1", placement="measured", layer_errors=errors)) == [1]
+    assert softmax_indices(plan_layers(4, "1:1", placement="measured", layer_scores=errors)) == [1, 3]
+    assert softmax_indices(plan_layers(4, "3:1", placement="measured", layer_scores=errors)) == [1]
     errors30 = [0.01 * i for i in range(30)]
     errors30[3], errors30[17] = 5.0, 4.0  # two bad layers among a rising trend
-    softmax = softmax_indices(plan_layers(30, "3:1", placement="measured", layer_errors=errors30))
+    softmax = softmax_indices(plan_layers(30, "3:1", placement="measured", layer_scores=errors30))
     assert softmax == [3, 17, 24, 25, 26, 27, 28, 29]
 
 
 def test_measured_needs_one_error_per_layer():
-    with pytest.raises(ValueError, match="one transfer error per layer"):
-        plan_layers(4, "1:1", placement="measured", layer_errors=None)
-    with pytest.raises(ValueError, match="one transfer error per layer"):
-        plan_layers(4, "1:1", placement="measured", layer_errors=[0.1, 0.2])
+    with pytest.raises(ValueError, match="measured placement needs one score per layer"):
+        plan_layers(4, "1:1", placement="measured", layer_scores=None)
+    with pytest.raises(ValueError, match="measured placement needs one score per layer"):
+        plan_layers(4, "1:1", placement="measured", layer_scores=[0.1, 0.2])
 
 
 def test_keep_softmax_is_always_softmax_and_counts_toward_the_share():
@@ -87,7 +87,7 @@ def test_keep_softmax_is_always_softmax_and_counts_toward_the_share():
     assert softmax_indices(plan_layers(4, "1:0", keep_softmax=[2])) == [2]
     # measured placement never picks a kept layer twice and fills the rest by error
     errors = [9.0, 0.1, 0.8, 0.2]
-    assert choose_softmax(4, (1, 1), "measured", keep_softmax=[0], layer_errors=errors) == [0, 2]
+    assert choose_softmax(4, (1, 1), "measured", keep_softmax=[0], layer_scores=errors) == [0, 2]
 
 
 def test_explicit_linear_layers_win_over_ratio():
