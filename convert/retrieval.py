@@ -109,8 +109,10 @@ def attention_on_facts(
     the few answer positions only, so no [T, T] attention map of the teacher is ever materialized.
     """
     n_layers = text_config(teacher.config).num_hidden_layers
-    every = linearize_model(teacher, [LINEAR] * n_layers, linear_attention)
     device = next(teacher.parameters()).device
+    # The unused linear parts' random init must not move the run's RNG: a kept plan then trains the same student.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        every = linearize_model(teacher, [LINEAR] * n_layers, linear_attention)
     scores = torch.zeros(n_layers, dtype=torch.float64)
     probe: dict[str, torch.Tensor] = {}
 

@@ -44,7 +44,9 @@ def test_attention_on_facts_matches_the_teachers_own_attention_weights(tiny_llam
     teacher = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="eager").eval()
     haystack = retrieval.haystack_text([train_text()], 50_000)
     docs = retrieval.probe_documents(tiny_tokenizer, 512, WINDOW, haystack, tasks=["passkey", "niah_multikey"])[::3]
+    rng = torch.get_rng_state()
     scores = retrieval.attention_on_facts(teacher, SETTINGS, docs)
+    assert torch.equal(torch.get_rng_state(), rng)  # the student trained after the probe starts as without it
     expected = torch.zeros(teacher.config.num_hidden_layers, dtype=torch.float64)
     with torch.no_grad():
         for ids, fact, queries in docs:
