@@ -40,7 +40,7 @@ def test_every_shipped_recipe_parses():
 def test_shipped_smollm2_recipe_fields():
     recipe = load_recipe("smollm2-gla")
     assert recipe.model == EMBEDDED
-    assert recipe.layers.ratio == "3:1" and recipe.layers.placement == "measured" and recipe.layers.keep_softmax == []
+    assert recipe.layers.ratio == "3:1" and recipe.layers.placement == "retrieval" and recipe.layers.keep_softmax == []
     assert recipe.attention.kind == "gla" and recipe.attention.window == 512 and recipe.attention.sink == 4
     assert recipe.transfer.lr == pytest.approx(0.01) and isinstance(recipe.transfer.lr, float)
     assert recipe.finetune.loss == "kl" and recipe.finetune.lora_targets == ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -218,19 +218,23 @@ def test_bad_flag_values_are_named():
         args("--model", "llama", "--transfer-tokens", "many")
 
 
-def test_measured_plan_follows_its_ratio_and_placement():
+def test_measured_plan_follows_its_ratio_and_placement(tmp_path):
     from linearize.convert.cli import convert_parser, recipe_from_args
 
     def plan(*argv):
         layers = recipe_from_args(convert_parser().parse_args(["--model", "llama", *argv])).layers
         return layers.ratio, layers.placement, layers.measured, layers.linear_layers
 
-    kept = load_recipe("smollm2-gla").layers.measured
-    assert len(kept) == 22 and plan("--ratio", "3:1") == ("3:1", "measured", kept, None) == plan()
-    assert plan("--ratio", "1:1")[:3] == ("1:1", "measured", [])  # measured anew, not the 3:1 layers
-    assert plan("--placement", "spread")[2] == []
-    assert plan("--linear-layers", "0,1")[3] == [0, 1]
-    assert plan("--recipe", "smollm2-gla", "--model", "./another-model")[2] == []  # the plan was measured on SmolLM2, not on this model
+    kept = [0, 1, 2, 3, 9, 10, 11, 12, 13, 14, 15, 16, 17, 19, 21, 22, 24, 25, 26, 27, 28, 29]
+    recipe = load_recipe("smollm2-gla").to_dict()
+    recipe["layers"].update(placement="measured", measured=kept)
+    kept_plan = ["--placement", "measured", "--recipe", str(write(tmp_path, yaml.safe_dump(recipe)))]
+    assert plan(*kept_plan) == ("3:1", "measured", kept, None)
+    assert plan(*kept_plan, "--ratio", "1:1")[:3] == ("1:1", "measured", [])  # measured anew, not the 3:1 layers
+    assert plan(*kept_plan, "--placement", "retrieval")[2] == []
+    assert plan(*kept_plan, "--linear-layers", "0,1")[3] == [0, 1]
+    assert plan(*kept_plan, "--model", "./another-model")[2] == []  # the plan was measured on SmolLM2, not on this model
+    assert plan() == ("3:1", "retrieval", None, None)  # the default probes its plan: deterministic and cheap
 
 
 @pytest.mark.parametrize(
@@ -259,7 +263,7 @@ def test_a_model_without_a_recipe_gets_the_proven_method(tiny_llama_dir):
     proven = shipped_recipes()["smollm2-gla"]
     assert recipe.name == "generic" and recipe.model == str(tiny_llama_dir)
     assert (recipe.attention.window, recipe.attention.sink) == (proven.attention.window, proven.attention.sink) == (512, 4)
-    assert recipe.layers.placement == "measured" and recipe.layers.measured is None
+    assert recipe.layers.placement == "retrieval" and recipe.layers.measured is None
     assert recipe.transfer.tokens == proven.transfer.tokens and recipe.finetune.tokens > 0
     assert recipe.finetune.lora_targets == []  # the family's own projections, whatever their names
 
