@@ -4,7 +4,7 @@ A converted layer is exact softmax over its window and sinks; further back it ha
 state, which blurs single tokens. The heads that copy a planted fact from thousands of tokens back
 (retrieval heads) therefore have to stay softmax for the student to keep long-context recall, and
 they sit in a few layers. A layer's score is the attention its heads put on the fact's tokens from
-the positions that produce the answer, averaged over the recall suite's tasks with every fact
+the positions that produce the answer, averaged over the recall suite's needle tasks with every fact
 placed further back than the window. The prompts use the training text as haystack, never the
 held-out slice the recall suite and perplexity are measured on; only the teacher runs, no training.
 """
@@ -19,9 +19,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..eval import recall
 from ..modeling.families import text_config
 from ..modeling.modeling_linearize import LinearAttention
+from . import needles
 from .plan import LINEAR
 from .swap import linearize_model
 from .train import linear_layers, teacher_attention
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 PROBE_DEPTHS = (0.0, 0.25, 0.5)  # the fact's depth in the haystack; kept only where it lies beyond the window
 PROBE_SAMPLES = 2  # documents per task and depth
 MIN_PROBE_TOKENS = 2048
+ANSWER_TOKENS = 12  # room left after the prompt, as the recall suite leaves for generation
 HAYSTACK_CHARS = 400_000  # training text the probes cut their haystacks from
 
 
@@ -59,7 +60,7 @@ def probe_depths(length: int, window: int) -> list[float]:
 def probe_token_count(window: int, max_positions: int | None) -> int:
     """Tokens the probe runs through the teacher (the budget's time estimate)."""
     length = probe_length(window, max_positions)
-    return len(recall.TASKS) * len(probe_depths(length, window)) * PROBE_SAMPLES * length
+    return len(needles.TASKS) * len(probe_depths(length, window)) * PROBE_SAMPLES * length
 
 
 def probe_tokens(tokenizer: PreTrainedTokenizerBase, text: str, answer: str) -> tuple[list[int], list[int], list[int]]:
@@ -78,7 +79,7 @@ def probe_documents(
     window: int,
     haystack: str,
     seed: int = 0,
-    tasks: Sequence[str] = recall.TASKS,
+    tasks: Sequence[str] = needles.TASKS,
 ) -> list[tuple[list[int], list[int], list[int]]]:
     """The probes as `probe_tokens` triples: `PROBE_SAMPLES` of every task at each of `probe_depths`.
 
@@ -93,8 +94,8 @@ def probe_documents(
             for sample in range(PROBE_SAMPLES):
                 rng = random.Random(f"linearize-placement:{seed}:{task}:{depth!r}:{sample}")
                 try:
-                    text, answer = recall.make_prompt(task, tokenizer, length - recall.MAX_GEN_TOKS, depth, rng, haystack)
-                except recall.PromptTooShort:
+                    text, answer = needles.make_prompt(task, tokenizer, length - ANSWER_TOKENS, depth, rng, haystack)
+                except needles.PromptTooShort:
                     break
                 documents.append(probe_tokens(tokenizer, text, answer))
     return documents

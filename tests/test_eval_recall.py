@@ -12,6 +12,7 @@ import pytest
 import yaml
 from lm_eval.api.model import LM
 
+from linearize.convert import needles
 from linearize.eval import recall as R
 
 LENGTH = 1024  # tiny tokenizer: about 2.5 KB of text, enough room for every task's needles
@@ -96,7 +97,7 @@ def test_prompt_length_and_needle_depth(tiny_tokenizer, docs, task):
     target = LENGTH - R.MAX_GEN_TOKS
     for doc in docs[task]:
         n = R.count_tokens(tiny_tokenizer, doc["input"])
-        assert n == doc["prompt_tokens"] and target - R.TOLERANCE <= n <= target
+        assert n == doc["prompt_tokens"] and target - needles.TOLERANCE <= n <= target
         assert doc["input"].endswith(("is", "number")) and doc["answer"].isdigit()
         assert oracle(doc["input"]) == doc["answer"]
         assert filler_depth(tiny_tokenizer, doc) == pytest.approx(doc["depth"], abs=0.05)
@@ -107,7 +108,7 @@ def test_chains_need_tracking(docs):
     for doc in docs["variable_tracking"]:
         values = re.findall(r"VAR [A-Z]+ = (\d+)\.", doc["input"])
         refs = re.findall(r"VAR [A-Z]+ = VAR [A-Z]+\.", doc["input"])
-        assert len(values) == 2 and doc["answer"] in values and len(refs) == 2 * (R.CHAIN_VARIABLES - 1)
+        assert len(values) == 2 and doc["answer"] in values and len(refs) == 2 * (needles.CHAIN_VARIABLES - 1)
 
 
 def test_input_errors(tiny_tokenizer, tmp_path):

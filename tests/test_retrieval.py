@@ -28,7 +28,7 @@ def test_probe_documents_are_deterministic_and_put_facts_beyond_the_window(tiny_
     haystack = retrieval.haystack_text([train_text()], 50_000)
     docs = retrieval.probe_documents(tiny_tokenizer, 512, WINDOW, haystack)
     assert docs == retrieval.probe_documents(tiny_tokenizer, 512, WINDOW, haystack)
-    assert len(docs) == len(retrieval.recall.TASKS) * len(retrieval.PROBE_DEPTHS) * retrieval.PROBE_SAMPLES
+    assert len(docs) == len(retrieval.needles.TASKS) * len(retrieval.PROBE_DEPTHS) * retrieval.PROBE_SAMPLES
     held = heldout_text()[1000:1100]
     for ids, fact, queries in docs:
         assert fact and queries[0] - max(fact) > 2 * WINDOW - 16  # the fact sits outside the window
