@@ -90,14 +90,16 @@ def probe_documents(
         raise ValueError("retrieval placement needs a fast tokenizer (token offsets): use measured or spread placement")
     documents = []
     for task in tasks:
-        for depth in probe_depths(length, window):
-            for sample in range(PROBE_SAMPLES):
-                rng = random.Random(f"linearize-placement:{seed}:{task}:{depth!r}:{sample}")
-                try:
+        task_documents = []
+        try:
+            for depth in probe_depths(length, window):
+                for sample in range(PROBE_SAMPLES):
+                    rng = random.Random(f"linearize-placement:{seed}:{task}:{depth!r}:{sample}")
                     text, answer = needles.make_prompt(task, tokenizer, length - ANSWER_TOKENS, depth, rng, haystack)
-                except needles.PromptTooShort:
-                    break
-                documents.append(probe_tokens(tokenizer, text, answer))
+                    task_documents.append(probe_tokens(tokenizer, text, answer))
+        except needles.PromptTooShort:
+            continue  # the task's fixed text alone overflows `length`, at every depth alike
+        documents += task_documents
     return documents
 
 
