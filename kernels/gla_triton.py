@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -55,17 +56,19 @@ def _interpreting() -> bool:
 TILES = (32, 64, 128)  # the BK / BV tiles the autotuner tries
 
 
-def _tuned(kernel, key: list[str], tiles: tuple[str, ...] = ()):
+def _tuned(kernel, key: list[str], tiles: tuple[str, ...] = (), prune: Callable | None = None):
     """Autotune num_warps, num_stages and the named tiles (BK, BV) on real hardware only.
 
     The interpreter has no driver to time with: there the launch passes fixed tiles (`_launch`).
     Tuned kernels only store their outputs, never read them, so the timing reruns are harmless.
+    `prune` replaces `_fitting_tiles` as the filter of the configs to try (a kernel with its own limits).
     """
     if _interpreting():
         return kernel
     sizes = [dict(zip(tiles, combo)) for combo in itertools.product(TILES, repeat=len(tiles))]
     configs = [triton.Config(size, num_warps=w, num_stages=s) for size in sizes for w in (2, 4, 8) for s in (1, 2)]
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": _fitting_tiles})(kernel)
+    early = {"early_config_prune": prune or _fitting_tiles}
+    return triton.autotune(configs=configs, key=key, prune_configs_by=early)(kernel)
 
 
 def _fitting_tiles(configs: list, named_args: dict, **kwargs) -> list:
@@ -784,7 +787,7 @@ def _backward(
     """
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
-    G, N, NC = HQ // H, triton.cdiv(T, BT), BT // SUB_CHUNK
+    G, N = HQ // H, triton.cdiv(T, BT)
     tiles = {"BK": _block(K), "BV": _block(V)}
     gc = None if g is None else _local_cumsum(g, BT)
     gp = k if gc is None else gc
@@ -805,13 +808,37 @@ def _backward(
         k if dzt is None else dzt, dhbuf if dz0 is None else dz0, dhbuf if dzbuf is None else dzbuf, scale, T, N,
         tiles=tiles, K=K, V=V, HAS_DHT=dht is not None, HAS_DH0=dh0 is not None, NORM=norm, **decay, **cfg,
     )
-    dA = torch.empty(B, HQ, T, BT, device=q.device, dtype=torch.float32)
-    _launch(_bwd_dscores, lambda t: (N, B * HQ), do, v, dden, dA, T, tiles={"BV": tiles["BV"]}, V=V, NORM=norm, **cfg)
     dv = torch.empty_like(v)
     _launch(
         _bwd_dv, lambda t: (triton.cdiv(V, t["BV"]), N, B * H), k, gp, A, do, dhbuf, dv, T, N, tiles=tiles,
         K=K, V=V, **decay, **cfg, PREC32=_kept_precision(q.dtype),
     )
+    dq, dk, dg = _score_and_state_grads(q, k, v, gc, hbuf, zbuf, do, dden if norm else None, dhbuf, dzbuf, scale, BT)
+    return dq, dk, dv, dg, dh0, dz0
+
+
+def _score_and_state_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, hbuf: torch.Tensor,
+    zbuf: torch.Tensor | None, do: torch.Tensor, dden: torch.Tensor | None, dhbuf: torch.Tensor,
+    dzbuf: torch.Tensor | None, scale: float, BT: int, dk_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """dq, dk (in dk_dtype, else k's) and dg through o = scale (q e^gc) h_n + A v and h_{n+1} = e^gc_last h_n
+    + (k e^(gc_last - gc))^T v, v held fixed: all of GLA's backward but dv and dh0, and the part of the delta
+    rule's that runs on v' for v. hbuf holds the N + 1 states, dhbuf[n] the gradient of the state leaving
+    chunk n; zbuf, dden and dzbuf are the normalizer's (None without). dg is per channel, or [B, H, T, 1]
+    for one decay per head."""
+    B, HQ, T, K = q.shape
+    H, V = k.shape[1], v.shape[-1]
+    G, N, NC = HQ // H, triton.cdiv(T, BT), BT // SUB_CHUNK
+    tiles = {"BK": _block(K), "BV": _block(V)}
+    gp = k if gc is None else gc
+    use_g = gc is not None
+    norm = dden is not None
+    dden = do if dden is None else dden  # (a placeholder pointer without the normalizer)
+    cfg = {"H": H, "G": G, "BT": BT, **_dot_config(q.dtype)}
+    decay = {"USE_G": use_g, **_decay_strides(gc)}
+    dA = torch.empty(B, HQ, T, BT, device=q.device, dtype=torch.float32)
+    _launch(_bwd_dscores, lambda t: (N, B * HQ), do, v, dden, dA, T, tiles={"BV": tiles["BV"]}, V=V, NORM=norm, **cfg)
     dqi = torch.empty(B, HQ, T, K, device=q.device, dtype=torch.float32)
     dki = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32)
     if use_g and gc.shape[-1] == 1:
@@ -824,16 +851,17 @@ def _backward(
             _bwd_intra, lambda t: (triton.cdiv(K, t["BK"]), N * NC, B * H), q, k, gp, dA, dqi, dki, scale, T,
             tiles={"BK": tiles["BK"]}, K=K, BC=SUB_CHUNK, NC=NC, **decay, **cfg, PREC32=_kept_precision(q.dtype),
         )
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dq = torch.empty_like(q)
+    dk = torch.empty(k.shape, device=k.device, dtype=dk_dtype or k.dtype)
     dg = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32) if use_g else None
     _launch(
         _bwd_inter, lambda t: (triton.cdiv(K, t["BK"]), N, B * H),
         q, k, v, gp, hbuf, hbuf if zbuf is None else zbuf, do, dden, dhbuf, dhbuf if dzbuf is None else dzbuf,
         dqi, dki, dq, dk, k if dg is None else dg, scale, T, N, tiles=tiles, K=K, V=V, NORM=norm, **decay, **cfg,
     )
-    if dg is not None and g.shape[-1] == 1:
+    if dg is not None and gc.shape[-1] == 1:
         dg = dg.sum(-1, keepdim=True)  # one decay per head: the channels' gradients add up
-    return dq, dk, dv, dg, dh0, dz0
+    return dq, dk, dg
 
 
 def _split_normalizer(x: torch.Tensor | None, norm: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -1,8 +1,9 @@
 """One prepared check of the Triton GLA kernels on a GPU: correctness, speed, and a few real conversion steps.
 
-1. correctness: `chunk_gla_triton` (o, final state, dq, dk, dv, dg, dh0) and `fused_recurrent_gla_triton`
-   (one decoding step) in fp32 and bf16 against an fp64 reference on the same device, as relative
-   errors norm(diff) / norm(ref); the first call of each dtype also compiles (and, on CUDA, autotunes);
+1. correctness: `chunk_gla_triton` (o, final state, dq, dk, dv, dg, dh0), `fused_recurrent_gla_triton`
+   (one decoding step) and the delta rule's `chunk_delta_triton` (o, final state, dq, dk, dv, dbeta,
+   dg, dh0) in fp32 and bf16 against an fp64 reference on the same device, as relative errors
+   norm(diff) / norm(ref); the first call of each dtype also compiles (and, on CUDA, autotunes);
 2. speed: the chunked kernel's forward and forward + backward against causal SDPA (flash on CUDA) and
    fla's `chunk_gla` when importable, and the decoding step against SDPA over a KV cache of T tokens;
 3. conversion: `linearize.convert.pipeline.convert` on the embedded model in bf16 with tiny budgets
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .delta_torch import delta_chunked, delta_recurrent
 from .gla_torch import MIN_LOG_DECAY, gla_chunked, gla_parallel, gla_recurrent
 from .ops import with_normalizer
 
@@ -53,6 +55,7 @@ CHECK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # ones round their matmul operands and outputs to bf16 (a wrong kernel is off by O(1) either way).
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 PARALLEL_MAX_T = 256  # the fp64 reference is the quadratic form up to here, the chunked form beyond
+RECURRENT_MAX_T = 256  # the delta rule's fp64 reference: step by step up to here, the chunked form beyond
 DG_GOAL = 1e-2
 FLA_GOAL_MIN_T, FLA_GOAL_RATIO = 4096, 1.0
 SDPA_GOAL_T, SDPA_GOAL_SPEEDUP = 16384, 2.0
@@ -112,7 +115,7 @@ QUICK = Plan(
 
 @dataclass
 class CheckRow:
-    kernel: str  # "chunk" | "recurrent"
+    kernel: str  # "chunk" | "recurrent" (GLA, also "/normalizer") | "delta-chunk"
     dtype: str
     seq_len: int
     key_dim: int
@@ -148,12 +151,33 @@ def make_inputs(
     }
 
 
-def _outputs_and_grads(fn: Callable, x: dict[str, torch.Tensor], dtype: torch.dtype, scale: float) -> dict[str, torch.Tensor]:
-    """o, final state and the gradients of <o, do> + <ht, dht> for q, k, v, g (in `dtype`) and h0 (fp32 or fp64)."""
+def make_delta_inputs(
+    heads: tuple[int, int, int], T: int, K: int, V: int, device: torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    """`make_inputs` for the delta rule: L2-normalized q and k, beta in (0, 1) and one decay per head
+    g [B, H, T], all bf16-representable as there."""
+    x = make_inputs(heads, T, K, V, "head", device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    B, _, H = heads
+    x["q"], x["k"] = (F.normalize(x[n], dim=-1).bfloat16().float() for n in ("q", "k"))
+    x["beta"] = torch.rand(B, H, T, generator=gen).bfloat16().float().to(device)
+    x["g"] = x["g"][..., 0].contiguous()
+    return x
+
+
+def _outputs_and_grads(
+    fn: Callable,
+    x: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    scale: float,
+    inputs: tuple[str, ...] = ("q", "k", "v", "g"),
+) -> dict[str, torch.Tensor]:
+    """o, final state and the gradients of <o, do> + <ht, dht> for `inputs` (in `dtype`) and h0 (fp32 or fp64),
+    from fn(*inputs, scale, h0)."""
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    leaves = {n: x[n].to(dtype).requires_grad_() for n in ("q", "k", "v", "g")}
+    leaves = {n: x[n].to(dtype).requires_grad_() for n in inputs}
     leaves["h0"] = x["h0"].to(state_dtype).requires_grad_()
-    o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], scale, leaves["h0"])
+    o, ht = fn(*(leaves[n] for n in inputs), scale, leaves["h0"])
     grads = torch.autograd.grad((o, ht), list(leaves.values()), (x["do"].to(o.dtype), x["dht"].to(ht.dtype)))
     return {"o": o, "ht": ht, **{f"d{name}": grad for name, grad in zip(leaves, grads)}}
 
@@ -231,6 +255,25 @@ def check_chunk(
     return [_row(kernel, name, T, K, V, gate, partial(run, dtype)) for name, dtype in CHECK_DTYPES.items()]
 
 
+def check_delta_chunk(plan: Plan, T: int, K: int, V: int, device: torch.device) -> list[CheckRow]:
+    """The delta rule's chunked kernel, forward and backward, in every check dtype against one fp64 reference
+    (the step-by-step recurrence for short T, the PyTorch chunked form beyond)."""
+    from .delta_triton import chunk_delta_triton
+
+    x = make_delta_inputs(plan.check_heads, T, K, V, device, seed=T * 1000 + K + V + 7)
+    scale = K**-0.5
+    reference_fn = delta_recurrent if T <= RECURRENT_MAX_T else delta_chunked
+    names = ("q", "k", "v", "beta", "g")
+    reference = cache(partial(_outputs_and_grads, reference_fn, x, torch.float64, scale, names))
+
+    def run(dtype: torch.dtype) -> tuple[dict[str, float], float]:
+        want = reference()
+        got, seconds = _timed(device, partial(_outputs_and_grads, chunk_delta_triton, x, dtype, scale, names))
+        return {n: relative_error(got[n], want[n]) for n in want}, seconds
+
+    return [_row("delta-chunk", name, T, K, V, "head", partial(run, dtype)) for name, dtype in CHECK_DTYPES.items()]
+
+
 @torch.no_grad()
 def check_decode(plan: Plan, K: int, V: int, device: torch.device, normalizer: bool = False) -> list[CheckRow]:
     """One fused decoding step from a state, in every check dtype, against the fp64 recurrence
@@ -256,16 +299,24 @@ def check_decode(plan: Plan, K: int, V: int, device: torch.device, normalizer: b
 
 
 def run_checks(plan: Plan, device: torch.device) -> list[CheckRow]:
-    """Every shape of the plan with per-channel gates, per-head gates at the shortest T, and the decoding step."""
+    """Every shape of the plan with per-channel gates, per-head gates at the shortest T, and the decoding step;
+    the delta rule's chunked kernel at every K and V at the shortest T and at the widest K, V at every other T."""
     cases = [(T, K, V, "channel", False) for T in plan.seq_lens for K in plan.key_dims for V in plan.value_dims]
     cases += [(min(plan.seq_lens), K, V, "head", False) for K in plan.key_dims for V in plan.value_dims]
     cases += [(min(plan.seq_lens), K, V, "channel", True) for K in plan.key_dims for V in plan.value_dims]
+    delta = [(min(plan.seq_lens), K, V) for K in plan.key_dims for V in plan.value_dims]
+    delta += [(T, max(plan.key_dims), max(plan.value_dims)) for T in plan.seq_lens if T != min(plan.seq_lens)]
     decode = [(K, V) for K in plan.key_dims for V in plan.value_dims]
     rows: list[CheckRow] = []
-    with tqdm(total=len(cases) + len(decode), desc="checks", disable=bool(os.environ.get("LINEARIZE_NO_PROGRESS"))) as bar:
+    total = len(cases) + len(delta) + len(decode)
+    with tqdm(total=total, desc="checks", disable=bool(os.environ.get("LINEARIZE_NO_PROGRESS"))) as bar:
         for T, K, V, gate, normalizer in cases:
             bar.set_postfix(T=T, K=K, V=V, gate=gate, normalizer=normalizer)
             rows.extend(check_chunk(plan, T, K, V, gate, device, normalizer))
+            bar.update(1)
+        for T, K, V in delta:
+            bar.set_postfix(delta=f"T={T} K={K} V={V}")
+            rows.extend(check_delta_chunk(plan, T, K, V, device))
             bar.update(1)
         for K, V in decode:
             bar.set_postfix(decode=f"K={K} V={V}")
@@ -621,7 +672,10 @@ def main(argv: list[str] | None = None) -> int:
             "fla": fla_available,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "plan": asdict(plan),
-            "reference": f"fp64 on the same device: gla_parallel for T <= {PARALLEL_MAX_T}, else gla_chunked",
+            "reference": (
+                f"fp64 on the same device: gla_parallel for T <= {PARALLEL_MAX_T}, else gla_chunked; delta rule: "
+                f"delta_recurrent for T <= {RECURRENT_MAX_T}, else delta_chunked"
+            ),
             "tolerance": TOLERANCE,
         },
         "passed": bool(checks) and all(r.passed for r in checks) and conversion["passed"] and not failures,

@@ -1,9 +1,10 @@
 """The one dispatch point between the model and the kernels.
 
-`gated_linear_attention` (GLA) and `gated_delta_rule` (Gated DeltaNet) run here. GLA picks Triton on CUDA tensors and PyTorch everywhere else;
-`LINEARIZE_KERNELS=triton|torch` forces either. The normalizer z (the sum of decayed keys) lives in
-the state's last column on every backend: the PyTorch forms run on `v` with a column of ones
-appended, the Triton kernels carry z as a [K] vector, so the output and its normalizer come from one pass.
+`gated_linear_attention` (GLA) and `gated_delta_rule` (Gated DeltaNet) run here. Both pick Triton on
+CUDA tensors (chunked form and decoding step) and PyTorch everywhere else; `LINEARIZE_KERNELS=triton|torch`
+forces either. GLA's normalizer z (the sum of decayed keys) lives in the state's last column on every
+backend: the PyTorch forms run on `v` with a column of ones appended, the Triton kernels carry z as a
+[K] vector, so the output and its normalizer come from one pass.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .delta_torch import delta_chunked, delta_recurrent
 from .gla_torch import gla_chunked, gla_parallel, gla_recurrent
 
 try:
-    from .delta_triton import fused_recurrent_delta_triton
+    from .delta_triton import chunk_delta_triton, fused_recurrent_delta_triton
     from .gla_triton import chunk_gla_triton, fused_recurrent_gla_triton
 
     HAS_TRITON = True
@@ -117,15 +118,18 @@ def gated_delta_rule(
     """Run the gated delta rule; returns (output [B, HQ, T, V], final state [B, H, K, V]).
 
     "parallel" and "recurrent" both run the step-by-step reference (the delta rule has no masked
-    quadratic form); "chunk" the UT-transform form, in PyTorch on every device for now. Decoding
-    steps without autograd run the fused Triton step where the backend is triton.
+    quadratic form); "chunk" the UT-transform form, forward and backward in Triton where the backend
+    is triton (`chunk_delta_triton`), else in PyTorch (`delta_chunked`). Decoding steps without
+    autograd run the fused Triton step where the backend is triton.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
+    backend = kernel_backend(q.device)
     if mode == "chunk":
-        return delta_chunked(q, k, v, beta, g, scale, initial_state, chunk_size)
+        chunked = chunk_delta_triton if backend == "triton" else delta_chunked
+        return chunked(q, k, v, beta, g, scale, initial_state, chunk_size)
     tracked = (q, k, v, beta, g, initial_state)
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tracked)
-    if mode == "recurrent" and not needs_grad and kernel_backend(q.device) == "triton":
+    if mode == "recurrent" and not needs_grad and backend == "triton":
         return fused_recurrent_delta_triton(q, k, v, beta, g, scale, initial_state)
     return delta_recurrent(q, k, v, beta, g, scale, initial_state)

@@ -19,6 +19,7 @@ SECTIONS = {
     "setup", "passed", "failures", "compile", "correctness", "prefill", "decode", "conversion", "goals", "seconds", "files",
 }  # fmt: skip
 CHUNK_TENSORS = {"o", "ht", "dq", "dk", "dv", "dg", "dh0"}
+DELTA_TENSORS = CHUNK_TENSORS | {"dbeta"}
 
 
 def run_gpu_check(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -44,11 +45,13 @@ def test_quick_check_passes_and_writes_its_report(tmp_path: Path, cli_env: dict[
     assert report["setup"]["mode"] == "quick"
 
     checks = report["correctness"]
-    kernels = ("chunk", "chunk/normalizer", "recurrent", "recurrent/normalizer")
+    kernels = ("chunk", "chunk/normalizer", "recurrent", "recurrent/normalizer", "delta-chunk")
     assert {(c["kernel"], c["dtype"]) for c in checks} == {(k, d) for k in kernels for d in ("fp32", "bf16")}
     assert {c["gate"] for c in checks if c["kernel"] == "chunk"} == {"channel", "head"}
     assert all(c["passed"] and c["error"] is None for c in checks)
     assert all(set(c["errors"]) == CHUNK_TENSORS for c in checks if c["kernel"].startswith("chunk"))
+    assert all(set(c["errors"]) == DELTA_TENSORS for c in checks if c["kernel"] == "delta-chunk")
+    assert {(c["seq_len"], c["key_dim"]) for c in checks if c["kernel"] == "delta-chunk"} == {(32, 16), (32, 32), (80, 32)}
     assert all(e < 1e-4 for c in checks if c["dtype"] == "fp32" for e in c["errors"].values())
     assert set(report["compile"]) == {"fp32", "bf16"}
 

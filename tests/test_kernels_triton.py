@@ -358,7 +358,9 @@ def test_modules_import_without_gpu_or_interpreter() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
         "import triton, linearize.kernels.gla_triton as m, linearize.kernels.feature_maps_triton as f; "
-        "assert isinstance(m._fwd_state, triton.runtime.Autotuner), type(m._fwd_state)"
+        "import linearize.kernels.delta_triton as d; "
+        "assert isinstance(m._fwd_state, triton.runtime.Autotuner), type(m._fwd_state); "
+        "assert isinstance(d._delta_state, triton.runtime.Autotuner), type(d._delta_state)"
     )
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
