@@ -42,7 +42,6 @@ from tqdm.auto import tqdm
 
 from .delta_torch import delta_chunked, delta_recurrent
 from .gla_torch import MIN_LOG_DECAY, gla_chunked, gla_parallel, gla_recurrent
-from .ops import with_normalizer
 
 if TYPE_CHECKING:
     from ..eval.kernel_bench import DecodeRow, PrefillRow
@@ -218,6 +217,7 @@ def _row(
 
 def _with_normalizer_column(fn: Callable) -> Callable:
     """fn on v's first V - 1 columns plus a column of ones: the normalizer as the PyTorch forms compute it."""
+    from .ops import with_normalizer  # imports the Triton kernels: only once --quick has chosen the interpreter
 
     def run(q, k, v, g, scale, h0):
         return fn(q, k, with_normalizer(v[..., :-1]), g, scale, h0)

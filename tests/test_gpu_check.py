@@ -27,7 +27,7 @@ def run_gpu_check(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess
         [sys.executable, "-m", "linearize.kernels.gpu_check", *args],
         check=False,
         cwd=cwd,
-        env={**env, "TRITON_INTERPRET": "1"},
+        env={k: v for k, v in env.items() if k != "TRITON_INTERPRET"},  # --quick sets it itself
         capture_output=True,
         text=True,
         timeout=300,
