@@ -81,7 +81,7 @@ def test_report_holds_the_recipe_that_reproduces_the_run(converted, tiny_llama_d
     assert recipe.name == report["recipe"] == "generic"  # no shipped recipe for this model: the proven method
     assert recipe.model == str(tiny_llama_dir)
     assert (recipe.transfer.tokens, recipe.finetune.tokens) == (256, 256)
-    assert (recipe.attention.window, recipe.attention.sink, recipe.layers.placement) == (512, 4, "spread")
+    assert (recipe.attention.window, recipe.attention.sink, recipe.layers.placement) == (512, 64, "spread")
     assert recipe.transfer.seq_len == 32 and recipe.transfer.batch_size == 2
 
 

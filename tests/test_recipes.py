@@ -41,7 +41,7 @@ def test_shipped_smollm2_recipe_fields():
     recipe = load_recipe("smollm2-gla")
     assert recipe.model == EMBEDDED
     assert recipe.layers.ratio == "3:1" and recipe.layers.placement == "retrieval" and recipe.layers.keep_softmax == []
-    assert recipe.attention.kind == "gla" and recipe.attention.window == 512 and recipe.attention.sink == 4
+    assert recipe.attention.kind == "gla" and recipe.attention.window == 512 and recipe.attention.sink == 64
     assert recipe.transfer.lr == pytest.approx(0.01) and isinstance(recipe.transfer.lr, float)
     assert recipe.finetune.loss == "kl" and recipe.finetune.lora_targets == ["q_proj", "k_proj", "v_proj", "o_proj"]
     perf = load_recipe("smollm2-performer")
