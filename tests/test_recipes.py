@@ -262,7 +262,7 @@ def test_a_model_without_a_recipe_gets_the_proven_method(tiny_llama_dir):
     recipe = default_recipe(str(tiny_llama_dir))
     proven = shipped_recipes()["smollm2-gla"]
     assert recipe.name == "generic" and recipe.model == str(tiny_llama_dir)
-    assert (recipe.attention.window, recipe.attention.sink) == (proven.attention.window, proven.attention.sink) == (512, 4)
+    assert (recipe.attention.window, recipe.attention.sink) == (proven.attention.window, proven.attention.sink) == (512, 64)
     assert recipe.layers.placement == "retrieval" and recipe.layers.measured is None
     assert recipe.transfer.tokens == proven.transfer.tokens and recipe.finetune.tokens > 0
     assert recipe.finetune.lora_targets == []  # the family's own projections, whatever their names
