@@ -333,6 +333,41 @@ def window_softmax_terms(
     return terms * (c - c_new).exp() + sink_terms, c_new
 
 
+def window_step_terms(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_valid: torch.Tensor,
+    window: int,
+    scaling: float,
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    q_positions: torch.Tensor | None = None,
+    sinks_visible: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`window_softmax_terms` for one decoding query whose window is exactly the W keys given, in any order.
+
+    k, v [B, Hkv, W, D] may be strided views of the cache's ring: nothing is copied or concatenated
+    (the normalizer is the weights' sum, not a column of ones on v).
+    """
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    q = q.reshape(B, Hkv, H // Hkv, D)  # a group's queries are the rows of one matmul against their KV head
+    scores = (q @ k.transpose(-1, -2)).mul_(scaling).masked_fill_(~key_valid[:, None, None, :], float("-inf"))
+    c = scores.amax(-1, keepdim=True)
+    if sinks is not None:
+        sink_scores = (q @ sinks[0].transpose(-1, -2)).mul_(scaling)
+        if not sinks_visible:
+            sink_scores.masked_fill_(~sink_visibility(sinks[2], q_positions, window)[:, :, :, 0], float("-inf"))
+        c = torch.maximum(c, sink_scores.amax(-1, keepdim=True))
+    c = c.clamp_min_(-1e4)
+    weights = scores.sub_(c).exp_()
+    num, den = weights @ v, weights.sum(-1, keepdim=True)
+    if sinks is not None:
+        sink_weights = sink_scores.sub_(c).exp_()
+        num, den = num + sink_weights @ sinks[1], den + sink_weights.sum(-1, keepdim=True)
+    return torch.cat([num, den], dim=-1).view(B, H, 1, D + 1), c.view(B, H, 1, 1)
+
+
 def update_sinks(
     sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     k: torch.Tensor,
@@ -608,36 +643,7 @@ class LinearAttention(nn.Module):
         # What a token writes into the state: key features, values (convolved), the delta rule's write strength.
         payload = [k_feat, v_feat] + ([self.write_strength(hidden_states)] if self.kind == "deltanet" else [])
         if self.window:
-            positions = torch.arange(start, start + T, device=q.device)
-            extras = [x for x in payload if x is not k and x is not v]  # kept beside k and v until they enter
-            window_kv, key_valid = torch.cat([k, v, *extras], dim=-1), valid
-            if cache is not None:  # the window's last W tokens (zeros, marked invalid, before any)
-                past_kv = self._state(cache, "window_kv")
-                if past_kv is None:
-                    past_kv = window_kv.new_zeros(B, self.n_kv_heads, self.window, window_kv.shape[-1])
-                    past_valid = valid.new_zeros(B, self.window)
-                else:
-                    past_valid = self._state(cache, "window_valid")
-                window_kv = torch.cat([past_kv, window_kv], dim=2)
-                key_valid = torch.cat([past_valid, valid], dim=1)
-                self._store(cache, "window_kv", window_kv[:, :, -self.window :])
-                self._store(cache, "window_valid", key_valid[:, -self.window :])
-            k_all, v_all = window_kv[..., :D], window_kv[..., D : 2 * D]
-            extras_all = iter(window_kv[..., 2 * D :].split([x.shape[-1] for x in extras], dim=-1))
-            payload = [k_all if x is k else v_all if x is v else next(extras_all) for x in payload]
-            sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None
-            # Every sink full and older than the oldest token leaving the window: all visible, none entering.
-            last_sink = getattr(layer, "linearize_last_sink", None)
-            sinks_behind = last_sink is not None and last_sink < start - self.window
-            window_terms = window_softmax_terms(
-                q, k_all, v_all, key_valid, self.window, self.scaling, sinks, positions, sinks_behind
-            )
-            payload = [shift_into_state(x, T, self.window) for x in payload]
-            valid = shift_into_state(key_valid, T, self.window, dim=1)
-            if self.sink and not sinks_behind:
-                # Sinks stay in the softmax part for good: they never enter the linear state.
-                entering = (positions - self.window).to(sinks[2].dtype)
-                valid = valid & ~(entering[None, :, None] == sinks[2][:, None, :]).any(-1)
+            payload, valid, window_terms = self._through_window(layer, cache, q, k, v, payload, valid, start)
         k_feat, v = payload[:2]
         if layer is not None:
             layer.linearize_seen = start + T
@@ -687,6 +693,53 @@ class LinearAttention(nn.Module):
             w = torch.sigmoid(self.window_factor)[None, :, None, None]
             mix = torch.lerp(o.to(w.dtype), win.to(w.dtype), w)
         return normalize_output(mix[..., :-1], mix[..., -1:])
+
+    def _through_window(self, layer, cache, q, k, v, payload, valid, start):
+        """The window's softmax terms, and what leaves the window into the state: (payload, valid, terms).
+
+        The cache keeps the last W tokens' keys, values and payload as a ring: position t sits in slot
+        t % W. A decoding step (one token, no gradient) reads the leaving token from its slot and writes
+        the new one there, in place; other steps put the ring in time order, run, and store it back.
+        """
+        B, T, D, W = q.shape[0], q.shape[2], self.head_dim, self.window
+        positions = torch.arange(start, start + T, device=q.device)
+        extras = [x for x in payload if x is not k and x is not v]  # kept beside k and v until they enter
+        window_kv, key_valid = torch.cat([k, v, *extras], dim=-1), valid
+        sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None
+        # Every sink full and older than the oldest token leaving the window: all visible, none entering.
+        last_sink = getattr(layer, "linearize_last_sink", None)
+        sinks_behind = last_sink is not None and last_sink < start - W
+        ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
+        if ring is not None and T == 1 and not torch.is_grad_enabled():
+            slot = start % W
+            leaving, valid = ring[:, :, slot : slot + 1].clone(), ring_valid[:, slot : slot + 1].clone()
+            ring[:, :, slot : slot + 1] = window_kv
+            ring_valid[:, slot : slot + 1] = key_valid
+            window_terms = window_step_terms(
+                q, ring[..., :D], ring[..., D : 2 * D], ring_valid, W, self.scaling, sinks, positions, sinks_behind
+            )
+        else:
+            if cache is not None:  # in time order, the window's last W tokens (zeros, marked invalid, before any)
+                if ring is None:
+                    ring = window_kv.new_zeros(B, self.n_kv_heads, W, window_kv.shape[-1])
+                    ring_valid = valid.new_zeros(B, W)
+                window_kv = torch.cat([ring.roll(-(start % W), dims=2), window_kv], dim=2)
+                key_valid = torch.cat([ring_valid.roll(-(start % W), dims=1), valid], dim=1)
+                self._store(cache, "window_kv", window_kv[:, :, -W:].roll((start + T) % W, dims=2))
+                self._store(cache, "window_valid", key_valid[:, -W:].roll((start + T) % W, dims=1))
+            window_terms = window_softmax_terms(
+                q, window_kv[..., :D], window_kv[..., D : 2 * D], key_valid, W, self.scaling, sinks, positions, sinks_behind
+            )
+            leaving = shift_into_state(window_kv, T, W)
+            valid = shift_into_state(key_valid, T, W, dim=1)
+        k_out, v_out = leaving[..., :D], leaving[..., D : 2 * D]
+        extras_out = iter(leaving[..., 2 * D :].split([x.shape[-1] for x in extras], dim=-1))
+        payload = [k_out if x is k else v_out if x is v else next(extras_out) for x in payload]
+        if self.sink and not sinks_behind:
+            # Sinks stay in the softmax part for good: they never enter the linear state.
+            entering = (positions - W).to(sinks[2].dtype)
+            valid = valid & ~(entering[None, :, None] == sinks[2][:, None, :]).any(-1)
+        return payload, valid, window_terms
 
     def _delta(self, fq, fk, v, beta, g, keep, cache, mode, window_terms):
         """The gated delta rule on L2-normalized features, mixed with the window's softmax by the window factor."""

@@ -402,12 +402,14 @@ def test_left_padded_batch_equals_rows_alone(plan_model):
 
 @torch.no_grad()
 def test_prefill_in_pieces_equals_one_pass(plan_model):
-    """A cache continued by a long chunk (chunked form from a state, window across the seam), then a token."""
+    """A cache continued by single tokens before and after its window fills (the window's ring turns in
+    place), then a long chunk from a ring that does not start at slot 0 (chunked form from a state,
+    window across the seam), then a token."""
     ids = random_ids(2, 51, seed=31)
     full = plan_model(ids, use_cache=False).logits
     cache = DynamicCache(config=plan_model.config)
     pieces = []
-    for start, end in [(0, 20), (20, 50), (50, 51)]:
+    for start, end in [(0, 2), (2, 3), (3, 4), (4, 20), (20, 21), (21, 22), (22, 23), (23, 50), (50, 51)]:
         mask = torch.ones(2, end, dtype=torch.long)
         out = plan_model(ids[:, start:end], attention_mask=mask, cache=cache, use_cache=True)
         cache = out.cache
@@ -493,7 +495,7 @@ def test_cache_does_not_grow(kind):
 def test_a_decoding_step_never_waits_on_the_device_and_keeps_its_state_buffer(kind):
     """Once the prompt is in (sinks full), a decoding step of the linear layers reads no tensor value on the
     host (no .item(), bool() or int() of a tensor: each is a device sync on CUDA) and updates the recurrent
-    state where the cache holds it (a static address, as CUDA graphs need)."""
+    state and the window's ring where the cache holds them (static addresses, as CUDA graphs need)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     settings = {"window": 4, "sink": 2, "chunk_size": 16}
@@ -505,8 +507,8 @@ def test_a_decoding_step_never_waits_on_the_device_and_keeps_its_state_buffer(ki
     prompt = random_ids(2, 12, seed=3)
     cache = DynamicCache(config=model.config)
     model(prompt, attention_mask=torch.ones_like(prompt), cache=cache)
-    memory = cache.layers[0].recurrent_states[STATES["memory"]]
-    address = memory.data_ptr()
+    states = cache.layers[0].recurrent_states
+    addresses = [states[STATES[name]].data_ptr() for name in ("memory", "window_kv")]
 
     class HostReads(TorchDispatchMode):
         def __init__(self) -> None:
@@ -522,7 +524,7 @@ def test_a_decoding_step_never_waits_on_the_device_and_keeps_its_state_buffer(ki
     with HostReads() as mode:
         model(random_ids(2, 1, seed=4), attention_mask=mask, cache=cache)
     assert mode.reads == []
-    assert cache.layers[0].recurrent_states[STATES["memory"]].data_ptr() == address
+    assert [states[STATES[name]].data_ptr() for name in ("memory", "window_kv")] == addresses
 
 
 @pytest.mark.parametrize("kind", ["gla-sinks", "deltanet", "performer"])
