@@ -632,7 +632,7 @@ class LinearAttention(nn.Module):
         maps see: the same tensors, or q/k before RoPE when `rope_features` is off. Then keys waiting
         in the window carry their unrotated copy beside the value, to enter the state later.
         """
-        B, T, D = q.shape[0], q.shape[2], self.head_dim
+        B, T = q.shape[0], q.shape[2]
         g = self._decay(hidden_states, k)
         valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding is None else padding[:, -T:].bool()
         layer = None if cache is None else cache.layers[self.layer_idx]
@@ -742,7 +742,13 @@ class LinearAttention(nn.Module):
         return payload, valid, window_terms
 
     def _delta(self, fq, fk, v, beta, g, keep, cache, mode, window_terms):
-        """The gated delta rule on L2-normalized features, mixed with the window's softmax by the window factor."""
+        """The gated delta rule on L2-normalized features, added to the window's softmax.
+
+        The delta rule has no normalizer to share with the window, so its output is added, weighed by
+        1 - sigmoid(window factor): while nothing has left the window (a context within it) the layer
+        is exactly window-plus-sinks softmax. (A convex mix w * softmax + (1 - w) * delta would shrink
+        the softmax by w wherever the state is still empty: 1.04x the teacher's perplexity at 512.)
+        """
         fq, fk = F.normalize(fq, dim=-1), F.normalize(fk, dim=-1) * keep
         o, state = gated_delta_rule(
             fq, fk, v, beta[..., 0], None if g is None else g[..., 0],
@@ -752,8 +758,8 @@ class LinearAttention(nn.Module):
         if window_terms is None:
             return o
         win, _ = window_terms
-        w = torch.sigmoid(self.window_factor)[None, :, None, None]
-        return torch.lerp(o.to(w.dtype), normalize_output(win[..., :-1], win[..., -1:]).to(w.dtype), w)
+        state_weight = torch.sigmoid(-self.window_factor)[None, :, None, None]
+        return normalize_output(win[..., :-1], win[..., -1:]).to(state_weight.dtype) + state_weight * o.to(state_weight.dtype)
 
     def _convolve(self, q_feat, k_feat, v, valid, cache):
         """The short causal convolution over q/k/v features (padding zeroed first, the last steps cached)."""

@@ -609,6 +609,24 @@ def test_transfer_mode_passes_the_teacher_output_on():
     assert not torch.allclose(student(ids, attention_mask=mask).logits[valid], got, atol=1e-3)
 
 
+@pytest.mark.parametrize("settings", [{"window": 8, "sink": 2}, {**DELTA, "window": 8, "sink": 2, "conv_size": 4}], ids=["gla", "deltanet"])
+@torch.no_grad()
+def test_a_context_within_the_window_is_the_teachers_softmax(settings):
+    """Until a token leaves the window the state is empty, and whatever the new parameters hold, a converted
+    layer is its teacher's softmax: GLA through the shared normalizer, the delta rule because its output is
+    added to the window's (a convex mix would shrink the softmax by the window factor)."""
+    teacher = make_teacher("llama-bias-tied")
+    student = linearize_model(copy.deepcopy(teacher), [LIN, FULL, LIN], {**settings, "chunk_size": 16}).eval()
+    randomize_new_parameters(student)
+    ids, mask = left_padded([random_ids(8, seed=1), random_ids(5, seed=2)])
+    valid = mask.bool()
+    torch.testing.assert_close(
+        student(ids, attention_mask=mask).logits[valid], teacher(ids, attention_mask=mask).logits[valid], rtol=1e-5, atol=1e-5
+    )
+    longer = random_ids(1, 12, seed=3)  # past the window the state takes part
+    assert not torch.allclose(student(longer).logits[0, -1], teacher(longer).logits[0, -1], atol=1e-3)
+
+
 def test_transfer_mse_leans_toward_late_positions():
     """`late_weight` 0 is the plain MSE; above 0 an error at the end counts more than the same error at the start."""
     teacher = torch.randn(2, 10, 6)
