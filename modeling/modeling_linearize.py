@@ -283,7 +283,7 @@ def window_softmax_terms(
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     groups = H // Hkv
-    if T <= RECURRENT_MAX_TOKENS:  # decoding: a few queries against at most window + T keys and the sinks, no blocks
+    if T <= RECURRENT_MAX_TOKENS:  # a short step (a single decoding token takes `window_step_terms`): no blocks
         allowed = _window_band(T, L, window, q.device) & key_valid[:, None, None, None, :]
         masked = 0  # keys before this many are all visible
         if sinks is not None:
