@@ -88,6 +88,12 @@ def gla_recurrent(
         state = initial_state
     else:
         state = initial_state.to(acc, copy=True)
+    if T == 1 and not grads:  # a decoding step: 3D matmuls over (row, head), the fewest ops (each costs more than its math)
+        if g is not None:
+            state.mul_(g.to(acc).exp().transpose(-1, -2))
+        state.view(B * H, K, V).baddbmm_(k.to(acc).reshape(B * H, K, 1), v.to(acc).reshape(B * H, 1, V))
+        o = torch.bmm(q.to(acc).reshape(B * H, HQ // H, K), state.view(B * H, K, V))
+        return (o if scale == 1.0 else o.mul_(scale)).view(B, HQ, 1, V).to(q.dtype), state
     qg, k, v = _group(q, H).to(acc), k.to(acc), v.to(acc)
     qg = qg if scale == 1.0 else qg * scale
     decay = None if g is None else g.to(acc).exp().unsqueeze(-1)

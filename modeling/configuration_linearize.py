@@ -41,7 +41,10 @@ LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     "rope_features": True,
     "seed": 0,  # performer random features are drawn from this seed and saved as a buffer
 }
-# What a linear layer keeps in its `LinearAttentionLayer` cache, by state index.
+# What a linear layer keeps in its `LinearAttentionLayer` cache, by state index. Keys and values of the
+# sinks and of the window's ring are stored as [B, Hkv, 2, tokens, D]: each a contiguous block, as the
+# decoding step's matmuls read them fastest; what else a token carries until it enters the state
+# (keys before RoPE, the write strength) sits in `window_payload`.
 STATES = {
     "memory": 0,
     "stabilizer": 1,
@@ -50,6 +53,7 @@ STATES = {
     "window_kv": 4,
     "window_valid": 5,
     "conv": 6,
+    "window_payload": 7,
 }
 OWN_FIELDS = ("base_model_type", "layer_types", "base_layer_types", "linear_attention", "linearize_teacher")
 # Fields of a saved config that describe the file, not the base model.

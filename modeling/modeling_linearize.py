@@ -338,34 +338,35 @@ def window_step_terms(
     k: torch.Tensor,
     v: torch.Tensor,
     key_valid: torch.Tensor,
-    window: int,
     scaling: float,
-    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    q_positions: torch.Tensor | None = None,
-    sinks_visible: bool = False,
+    sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sink_visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`window_softmax_terms` for one decoding query whose window is exactly the W keys given, in any order.
 
-    k, v [B, Hkv, W, D] may be strided views of the cache's ring: nothing is copied or concatenated
-    (the normalizer is the weights' sum, not a column of ones on v).
+    q [B, H, 1, D]; k, v [B, Hkv, W, D] and the sinks' keys and values [B, Hkv, S, D] may be strided
+    views of the cache: nothing is copied (the normalizer is the weights' sum, not a column of ones on
+    v). key_valid [B, W]; sink_visible [B, S], or None when every sink is visible. Each op here runs
+    once per layer and token, so the scores are 3D batched matmuls over (row, KV head), a group's
+    queries the rows of one matmul, and ring and sinks share one max.
     """
     B, H, _, D = q.shape
-    Hkv = k.shape[1]
-    q = q.reshape(B, Hkv, H // Hkv, D)  # a group's queries are the rows of one matmul against their KV head
-    scores = (q @ k.transpose(-1, -2)).mul_(scaling).masked_fill_(~key_valid[:, None, None, :], float("-inf"))
-    c = scores.amax(-1, keepdim=True)
+    Hkv, W = k.shape[1], k.shape[2]
+    q = (q * scaling).view(B * Hkv, H // Hkv, D)
+    scores = torch.bmm(q, k.reshape(B * Hkv, W, D).transpose(1, 2))
+    scores.view(B, -1, W).masked_fill_(~key_valid[:, None], float("-inf"))
     if sinks is not None:
-        sink_scores = (q @ sinks[0].transpose(-1, -2)).mul_(scaling)
-        if not sinks_visible:
-            sink_scores.masked_fill_(~sink_visibility(sinks[2], q_positions, window)[:, :, :, 0], float("-inf"))
-        c = torch.maximum(c, sink_scores.amax(-1, keepdim=True))
-    c = c.clamp_min_(-1e4)
+        S = sinks[0].shape[2]
+        sink_scores = torch.bmm(q, sinks[0].reshape(B * Hkv, S, D).transpose(1, 2))
+        if sink_visible is not None:
+            sink_scores.view(B, -1, S).masked_fill_(~sink_visible[:, None], float("-inf"))
+        scores = torch.cat([scores, sink_scores], dim=-1)
+    c = scores.amax(-1, keepdim=True).clamp_min_(-1e4)
     weights = scores.sub_(c).exp_()
-    num, den = weights @ v, weights.sum(-1, keepdim=True)
+    num = torch.bmm(weights[..., :W], v.reshape(B * Hkv, W, D))
     if sinks is not None:
-        sink_weights = sink_scores.sub_(c).exp_()
-        num, den = num + sink_weights @ sinks[1], den + sink_weights.sum(-1, keepdim=True)
-    return torch.cat([num, den], dim=-1).view(B, H, 1, D + 1), c.view(B, H, 1, 1)
+        num = num.baddbmm_(weights[..., W:], sinks[1].reshape(B * Hkv, S, D))
+    return torch.cat([num, weights.sum(-1, keepdim=True)], dim=-1).view(B, H, 1, D + 1), c.view(B, H, 1, 1)
 
 
 def update_sinks(
@@ -697,43 +698,54 @@ class LinearAttention(nn.Module):
     def _through_window(self, layer, cache, q, k, v, payload, valid, start):
         """The window's softmax terms, and what leaves the window into the state: (payload, valid, terms).
 
-        The cache keeps the last W tokens' keys, values and payload as a ring: position t sits in slot
-        t % W. A decoding step (one token, no gradient) reads the leaving token from its slot and writes
-        the new one there, in place; other steps put the ring in time order, run, and store it back.
+        The cache keeps the last W tokens' keys and values (and the rest of their payload) as a ring:
+        position t sits in slot t % W. A decoding step (one token, no gradient) reads the leaving token
+        from its slot and writes the new one there, in place; other steps put the ring in time order,
+        run, and store it back.
         """
         B, T, D, W = q.shape[0], q.shape[2], self.head_dim, self.window
-        positions = torch.arange(start, start + T, device=q.device)
         extras = [x for x in payload if x is not k and x is not v]  # kept beside k and v until they enter
-        window_kv, key_valid = torch.cat([k, v, *extras], dim=-1), valid
-        sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None
+        extra = torch.cat(extras, dim=-1) if extras else None
+        ring, ring_extra, ring_valid = (self._state(cache, name) for name in ("window_kv", "window_payload", "window_valid"))
+        step = ring is not None and T == 1 and not torch.is_grad_enabled()
         # Every sink full and older than the oldest token leaving the window: all visible, none entering.
         last_sink = getattr(layer, "linearize_last_sink", None)
         sinks_behind = last_sink is not None and last_sink < start - W
-        ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
-        if ring is not None and T == 1 and not torch.is_grad_enabled():
-            slot = start % W
-            leaving, valid = ring[:, :, slot : slot + 1].clone(), ring_valid[:, slot : slot + 1].clone()
-            ring[:, :, slot : slot + 1] = window_kv
-            ring_valid[:, slot : slot + 1] = key_valid
+        # A decoding step past the sinks needs no positions: it neither fills nor masks them.
+        positions = None if step and sinks_behind else torch.arange(start, start + T, device=q.device)
+        sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None
+        if step:
+            here = slice(start % W, start % W + 1)
+            (k_out, v_out), valid_out = ring[:, :, :, here].clone().unbind(2), ring_valid[:, here].clone()
+            ring[:, :, 0, here], ring[:, :, 1, here], ring_valid[:, here] = k, v, valid
+            if extra is not None:
+                extra_out = ring_extra[:, :, here].clone()
+                ring_extra[:, :, here] = extra
+            visible = None if sinks is None or sinks_behind else sink_visibility(sinks[2], positions, W)[:, 0, 0, 0]
             window_terms = window_step_terms(
-                q, ring[..., :D], ring[..., D : 2 * D], ring_valid, W, self.scaling, sinks, positions, sinks_behind
+                q, ring[:, :, 0], ring[:, :, 1], ring_valid, self.scaling, sinks and sinks[:2], visible
             )
+            valid = valid_out
         else:
+            parts, key_valid = [k, v] + ([extra] if extra is not None else []), valid
             if cache is not None:  # in time order, the window's last W tokens (zeros, marked invalid, before any)
                 if ring is None:
-                    ring = window_kv.new_zeros(B, self.n_kv_heads, W, window_kv.shape[-1])
+                    rings = [x.new_zeros(B, self.n_kv_heads, W, x.shape[-1]) for x in parts]
                     ring_valid = valid.new_zeros(B, W)
-                window_kv = torch.cat([ring.roll(-(start % W), dims=2), window_kv], dim=2)
-                key_valid = torch.cat([ring_valid.roll(-(start % W), dims=1), valid], dim=1)
-                self._store(cache, "window_kv", window_kv[:, :, -W:].roll((start + T) % W, dims=2))
-                self._store(cache, "window_valid", key_valid[:, -W:].roll((start + T) % W, dims=1))
-            window_terms = window_softmax_terms(
-                q, window_kv[..., :D], window_kv[..., D : 2 * D], key_valid, W, self.scaling, sinks, positions, sinks_behind
-            )
-            leaving = shift_into_state(window_kv, T, W)
+                else:
+                    rings = [ring[:, :, 0], ring[:, :, 1], ring_extra][: len(parts)]
+                back, forth = -(start % W), (start + T) % W
+                parts = [torch.cat([r.roll(back, dims=2), x], dim=2) for r, x in zip(rings, parts)]
+                key_valid = torch.cat([ring_valid.roll(back, dims=1), valid], dim=1)
+                self._store(cache, "window_kv", torch.stack([x[:, :, -W:].roll(forth, dims=2) for x in parts[:2]], dim=2))
+                if extra is not None:
+                    self._store(cache, "window_payload", parts[2][:, :, -W:].roll(forth, dims=2))
+                self._store(cache, "window_valid", key_valid[:, -W:].roll(forth, dims=1))
+            window_terms = window_softmax_terms(q, parts[0], parts[1], key_valid, W, self.scaling, sinks, positions, sinks_behind)
+            k_out, v_out, *extra_out = (shift_into_state(x, T, W) for x in parts)
+            extra_out = extra_out[0] if extra_out else None
             valid = shift_into_state(key_valid, T, W, dim=1)
-        k_out, v_out = leaving[..., :D], leaving[..., D : 2 * D]
-        extras_out = iter(leaving[..., 2 * D :].split([x.shape[-1] for x in extras], dim=-1))
+        extras_out = iter(extra_out.split([x.shape[-1] for x in extras], dim=-1) if extras else ())
         payload = [k_out if x is k else v_out if x is v else next(extras_out) for x in payload]
         if self.sink and not sinks_behind:
             # Sinks stay in the softmax part for good: they never enter the linear state.
@@ -807,12 +819,12 @@ class LinearAttention(nn.Module):
         """
         layer = None if cache is None else cache.layers[self.layer_idx]
         kv, positions_kept = self._state(cache, "sink_kv"), self._state(cache, "sink_positions")
-        sinks = None if kv is None else (kv[..., : self.head_dim], kv[..., self.head_dim :], positions_kept)
+        sinks = None if kv is None else (kv[:, :, 0], kv[:, :, 1], positions_kept)
         if sinks is not None and getattr(layer, "linearize_last_sink", None) is not None:
             return sinks
         sinks = update_sinks(sinks, k, v, positions, valid, self.sink)
         if layer is not None:
-            self._store(cache, "sink_kv", torch.cat(sinks[:2], dim=-1))
+            self._store(cache, "sink_kv", torch.stack(sinks[:2], dim=2))
             self._store(cache, "sink_positions", sinks[2])
             layer.linearize_last_sink = int(sinks[2].max()) if bool((sinks[2] >= 0).all()) else None
         return sinks

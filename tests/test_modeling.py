@@ -480,9 +480,9 @@ def test_cache_does_not_grow(kind):
     assert type(long[1]) is LinearAttentionLayer
     assert recurrent_bytes(short[1]) == recurrent_bytes(long[1])
     window_kv = long[1].recurrent_states[STATES["window_kv"]]
-    assert window_kv.shape[2] == window
+    assert window_kv.shape[2:4] == (2, window)
     if kind in ("gla-sinks", "deltanet"):  # the two sink tokens' keys/values and positions, a fixed size too
-        assert long[1].recurrent_states[STATES["sink_kv"]].shape[2] == 2
+        assert long[1].recurrent_states[STATES["sink_kv"]].shape[2:4] == (2, 2)
         assert long[1].recurrent_states[STATES["sink_positions"]].shape[1] == 2
     # layer 2: softmax -> an ordinary KV cache that grows with every token
     assert type(long[2]) is DynamicLayer
