@@ -200,7 +200,8 @@ def plot_contexts(curves: dict[str, list[dict[str, Any]]], path: str | Path) -> 
         a.set_xscale("log", base=2)
         a.set_xlabel("context length (tokens)")
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:  # the ratio panel stays empty without a teacher
+            a.legend(fontsize=8)
     ax.set_ylabel("perplexity")
     ax.set_title("perplexity against context")
     ax_ratio.axhline(1.0, color="k", lw=0.8)
