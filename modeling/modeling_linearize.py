@@ -129,6 +129,13 @@ class TaylorFeatureMap(nn.Module):
     q'.k'/sqrt(d) stays in [-2, 2], where 1 + u + u^2/2 is a fair, positive stand-in for exp(u).
     Unbounded, SmolLM2's large q/k norms put it far out of that range: the measured zero-shot
     held-out perplexity was 98x the teacher's. The projection starts at the first d coordinates.
+
+    Each side's features are divided by sqrt(F), F = 1 + d + d^2, so a token adds 0.5/F to 5/F to the
+    normalizer. A constant cancels wherever the state alone is normalized (and in the delta rule's L2
+    norm), but the window's softmax shares one normalizer with the state: unscaled, each token past
+    the window added 0.5-5, against Hedgehog's ~2/F, and the state took 49-95% of the joint
+    normalizer of the untrained layers at 2K (Hedgehog's 1-11%), so the 0.88 weight on the window
+    did not hold (20x the teacher's held-out perplexity zero-shot).
     """
 
     def __init__(self, heads: int, head_dim: int, dim: int):
@@ -143,7 +150,7 @@ class TaylorFeatureMap(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.weight.shape[-1]
-        return taylor(x, self.weight, radius=math.sqrt(2.0) * d**0.25)
+        return taylor(x, self.weight, radius=math.sqrt(2.0) * d**0.25) * (1 + d + d * d) ** -0.5
 
 
 class WriteStrength(nn.Module):

@@ -30,7 +30,7 @@ from linearize.convert.swap import check_supported, linearize_model
 from linearize.modeling.configuration_linearize import STATES, LinearizeConfig
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from linearize.modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM, transfer_mse
+from linearize.modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM, TaylorFeatureMap, transfer_mse
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -818,3 +818,20 @@ def test_the_normalization_the_kernel_tests_check_is_the_one_the_model_ships(tin
             assert torch.isfinite(model(ids).logits).all()
         assert calls == [expected]
     assert modeling_linearize.normalize_output is ops.normalize_output and modeling_linearize.with_normalizer is ops.with_normalizer
+
+
+def test_taylor_kernel_is_the_second_order_exp_over_its_feature_count() -> None:
+    """phi(q).phi(k) = (1 + u + u^2 / 2) / F with u = q'.k' / sqrt(d): per token, about what Hedgehog adds
+    to a normalizer that the state shares with the window's softmax."""
+    torch.manual_seed(0)
+    d, D = 4, 8
+    fmap = TaylorFeatureMap(heads=2, head_dim=D, dim=d)
+    with torch.no_grad():
+        fmap.weight.normal_()
+    q, k = torch.randn(1, 2, 5, D, dtype=torch.float64), torch.randn(1, 2, 5, D, dtype=torch.float64)
+    fmap = fmap.double()
+    kernel = fmap(q) @ fmap(k).transpose(-1, -2)
+    radius = 2.0**0.5 * d**0.25
+    qp, kp = (F.normalize(torch.einsum("bhtd,hde->bhte", x, fmap.weight), dim=-1) * radius for x in (q, k))
+    u = qp @ kp.transpose(-1, -2) / d**0.5
+    torch.testing.assert_close(kernel, (1 + u + u**2 / 2) / (1 + d + d * d))
