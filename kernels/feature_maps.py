@@ -64,19 +64,20 @@ def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.elu(x) + 1.0
 
 
-def taylor(x: torch.Tensor, weight: torch.Tensor, radius: float | None = None) -> torch.Tensor:
+def taylor(x: torch.Tensor, weight: torch.Tensor, radius: float | None = None, scale: float = 1.0) -> torch.Tensor:
     """Second-order Taylor map of exp (Based) on a low-dimensional projection x' = xW.
 
     x [B, H, T, D], weight [H, D, d] -> [B, H, T, 1 + d + d^2] with phi(q).phi(k) =
     1 + q'.k'/sqrt(d) + (q'.k')^2 / (2d): exp(q'.k'/sqrt(d)) to second order, and always positive.
     With `radius`, x' is L2-normalized to that length first (which bounds the argument).
+    `scale` multiplies every feature (folded into the three parts: no extra pass over the output).
     """
     x = per_head_matmul(x, weight)
     if radius is not None:
         x = torch.nn.functional.normalize(x, dim=-1) * radius
     d = x.shape[-1]
-    square = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / (math.sqrt(2.0) * math.sqrt(d))
-    return torch.cat([torch.ones_like(x[..., :1]), x / d**0.25, square], dim=-1)
+    square = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) * (scale / (math.sqrt(2.0) * math.sqrt(d)))
+    return torch.cat([torch.full_like(x[..., :1], scale), x * (scale / d**0.25), square], dim=-1)
 
 
 def performer_logits(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:

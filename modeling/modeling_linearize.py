@@ -150,7 +150,7 @@ class TaylorFeatureMap(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.weight.shape[-1]
-        return taylor(x, self.weight, radius=math.sqrt(2.0) * d**0.25) * (1 + d + d * d) ** -0.5
+        return taylor(x, self.weight, radius=math.sqrt(2.0) * d**0.25, scale=(1 + d + d * d) ** -0.5)
 
 
 class WriteStrength(nn.Module):
