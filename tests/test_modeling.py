@@ -30,7 +30,13 @@ from linearize.convert.swap import check_supported, linearize_model
 from linearize.modeling.configuration_linearize import STATES, LinearizeConfig
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from linearize.modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM, TaylorFeatureMap, transfer_mse
+from linearize.modeling.modeling_linearize import (
+    LinearAttention,
+    LinearizeForCausalLM,
+    ReservedDynamicLayer,
+    TaylorFeatureMap,
+    transfer_mse,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -484,8 +490,8 @@ def test_cache_does_not_grow(kind):
     if kind in ("gla-sinks", "deltanet"):  # the two sink tokens' keys/values and positions, a fixed size too
         assert long[1].recurrent_states[STATES["sink_kv"]].shape[2:4] == (2, 2)
         assert long[1].recurrent_states[STATES["sink_positions"]].shape[1] == 2
-    # layer 2: softmax -> an ordinary KV cache that grows with every token
-    assert type(long[2]) is DynamicLayer
+    # layer 2: softmax -> an ordinary KV cache that grows with every token (appended in place)
+    assert type(long[2]) is ReservedDynamicLayer and isinstance(long[2], DynamicLayer)
     assert long[2].keys.shape[2] == 9 + 1000 - 1
     assert kv_bytes(long[2]) > 50 * kv_bytes(short[2]) > 0
 
@@ -549,6 +555,88 @@ def test_a_reset_cache_starts_over(kind):
     model(random_ids(2, 7, seed=9), cache=cache)  # more tokens, then start over
     cache.reset()
     torch.testing.assert_close(run(cache), first)
+
+
+STEP_CASES = {
+    "sinks": {"window": 4, "sink": 2},
+    "sinks-unrotated": {"window": 4, "sink": 2, "rope_features": False},
+    "no-sinks": {"window": 4},
+    "elu-key-gate": {"window": 4, "sink": 1, "feature_map": "elu", "gate": "key"},
+    "identity-no-gate": {"window": 4, "feature_map": "identity", "gate": "none"},
+    "taylor-retnet": {"window": 4, "sink": 2, "feature_map": "taylor", "feature_dim": 4, "gate": "retnet"},
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_CASES))
+@torch.no_grad()
+def test_the_in_place_gla_step_equals_the_general_path(case, monkeypatch):
+    """Once the window runs, GLA's decoding steps take `_gla_step`; each gives the general path's logits
+    and leaves the same cache (state, ring, its unrotated keys), padded rows included."""
+    model = make_model([LIN, FULL, LIN], {**STEP_CASES[case], "chunk_size": 16}, seed=9)
+    # The short row's last padding leaves the window during decoding (where no sinks hold it back).
+    ids, mask = left_padded([random_ids(11, seed=51), random_ids(2, seed=52)])
+    cache = DynamicCache(config=model.config)
+    model(ids, attention_mask=mask, cache=cache)
+    taken = []
+    monkeypatch.setattr(LinearAttention, "_gla_step", lambda self, *a, _f=LinearAttention._gla_step: taken.append(1) or _f(self, *a))
+    general = copy.deepcopy(cache)
+    for t in range(6):  # past a full turn of the ring
+        token = random_ids(2, 1, seed=60 + t)
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        fast = model(token, attention_mask=mask, cache=cache).logits
+        with monkeypatch.context() as m:
+            m.setattr(LinearAttention, "_steps_in_place", lambda *a: False)
+            slow = model(token, attention_mask=mask, cache=general).logits
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    assert len(taken) >= 2 * 2 if STEP_CASES[case].get("sink") else len(taken) == 6 * 2, "the in-place step was taken"
+    for index in (0, 2):
+        got, want = cache.layers[index].recurrent_states, general.layers[index].recurrent_states
+        for name, slot in STATES.items():
+            if isinstance(want.get(slot), torch.Tensor):
+                torch.testing.assert_close(got[slot], want[slot], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@torch.no_grad()
+def test_a_reserved_softmax_cache_appends_in_place_and_honours_outside_changes():
+    """`ReservedDynamicLayer` returns what transformers' `DynamicLayer` returns for the same updates, writes
+    decoding tokens into its reserved room without copying, and takes crop / beam reorder / reset as the truth."""
+    gen = torch.Generator().manual_seed(0)
+
+    def kv(batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(batch, 2, tokens, 8, generator=gen), torch.randn(batch, 2, tokens, 8, generator=gen)
+
+    reserved, plain = ReservedDynamicLayer(), DynamicLayer()
+
+    def update(batch: int, tokens: int) -> torch.Tensor:
+        k, v = kv(batch, tokens)
+        got, want = reserved.update(k, v), plain.update(k, v)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        assert reserved.get_seq_length() == plain.get_seq_length()
+        return got[0]
+
+    first = update(3, 300)
+    room = first.data_ptr()
+    for _ in range(20):
+        assert update(3, 1).data_ptr() == room, "a decoding token is written in place"
+    update(3, 200)  # past the room: reserved again, still equal
+    reserved.crop(-5), plain.crop(-5)
+    update(3, 1)
+    beams = torch.tensor([2, 0, 0])
+    reserved.reorder_cache(beams), plain.reorder_cache(beams)
+    update(3, 2)
+    reserved.reset(), plain.reset()
+    assert reserved.get_seq_length() == 0
+    update(1, 4)
+
+
+@torch.no_grad()
+def test_softmax_layers_of_a_fresh_cache_get_the_reserved_layer():
+    model = make_model([LIN, FULL], {"chunk_size": 16})
+    cache = DynamicCache(config=model.config)
+    assert type(cache.layers[1]) is DynamicLayer
+    model(random_ids(1, 5), cache=cache)
+    assert type(cache.layers[1]) is ReservedDynamicLayer and cache.layers[1].get_seq_length() == 5
 
 
 # ----------------------------------------------------------------------------------------------
