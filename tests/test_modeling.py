@@ -30,10 +30,12 @@ from linearize.convert.swap import check_supported, linearize_model
 from linearize.modeling.configuration_linearize import STATES, LinearizeConfig
 from transformers.models.llama.modeling_llama import repeat_kv
 
+import linearize.modeling.modeling_linearize as modeling_linearize
 from linearize.modeling.modeling_linearize import (
     LinearAttention,
     LinearizeForCausalLM,
     ReservedDynamicLayer,
+    SplitGemvLinear,
     TaylorFeatureMap,
     transfer_mse,
 )
@@ -637,6 +639,70 @@ def test_softmax_layers_of_a_fresh_cache_get_the_reserved_layer():
     assert type(cache.layers[1]) is DynamicLayer
     model(random_ids(1, 5), cache=cache)
     assert type(cache.layers[1]) is ReservedDynamicLayer and cache.layers[1].get_seq_length() == 5
+
+
+def bmm_calls(monkeypatch) -> list[int]:
+    """Count `torch.bmm` calls: the split GEMV's product, which nothing else on these paths uses."""
+    calls, bmm = [], torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *args, **kwargs: calls.append(1) or bmm(*args, **kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_the_split_gemv_equals_the_linear_layer(rows, bias, monkeypatch):
+    torch.set_num_threads(2)
+    calls = bmm_calls(monkeypatch)
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(48, 20, bias=bias)
+    split = copy.deepcopy(plain)
+    monkeypatch.setattr(modeling_linearize, "SPLIT_GEMV_MIN", 0)
+    modeling_linearize.lay_out_for_cpu_decode(torch.nn.Sequential(split), column_major=True)
+    assert type(split) is SplitGemvLinear and split.weight.t().is_contiguous() and torch.equal(split.weight, plain.weight)
+    x = torch.randn(rows, 1, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(split(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert len(calls) == (rows <= modeling_linearize.SPLIT_GEMV_ROWS), "the split product runs for few rows only"
+    x.requires_grad_(True)
+    y = split(x)
+    assert len(calls) == (rows <= modeling_linearize.SPLIT_GEMV_ROWS), "autograd takes nn.Linear's path"
+    grads = torch.autograd.grad(y.square().sum(), [x, split.weight])
+    want = torch.autograd.grad(plain(x).square().sum(), [x, plain.weight])
+    for got, expected in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tmp_path, monkeypatch):
+    """The first decoding step stores the large weights column-major (values, parameters and the tied
+    head unchanged) and decodes through the split GEMV; saving and training see row-major weights."""
+    torch.set_num_threads(2)
+    monkeypatch.setattr(modeling_linearize, "SPLIT_GEMV_MIN", 1024)
+    model = make_model([LIN, FULL], {"window": 4, "chunk_size": 16}, tie_word_embeddings=True)
+    before = {name: p for name, p in model.named_parameters()}
+    ids = random_ids(1, PROMPT, seed=11)
+    expected, expected_logits = greedy_by_recomputation(model, ids, NEW)
+    assert not model.cpu_decode_layout, "prefill alone leaves the layout alone"
+    calls = bmm_calls(monkeypatch)
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert out.sequences[0, PROMPT:].tolist() == expected[0].tolist()
+    for got, want in zip(out.logits, expected_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
+    assert model.cpu_decode_layout and large and calls
+    assert all(type(m) is SplitGemvLinear and m.weight.t().is_contiguous() for m in large)
+    assert {name: p for name, p in model.named_parameters()} == before, "the same parameter objects"
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    assert all(m.weight.is_contiguous() for m in large) and not model.cpu_decode_layout
+    reloaded = LinearizeForCausalLM.from_pretrained(tmp_path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert model.cpu_decode_layout
+    model.train()
+    assert all(m.weight.is_contiguous() for m in large) and not model.cpu_decode_layout
+    model.eval()
 
 
 # ----------------------------------------------------------------------------------------------
