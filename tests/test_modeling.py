@@ -35,7 +35,9 @@ from linearize.modeling.modeling_linearize import (
     LinearAttention,
     LinearizeForCausalLM,
     ReservedDynamicLayer,
+    SoftmaxAttentionConfig,
     SplitGemvLinear,
+    split_decode_attention,
     TaylorFeatureMap,
     transfer_mse,
 )
@@ -703,6 +705,60 @@ def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tm
     model.train()
     assert all(m.weight.is_contiguous() for m in large) and not model.cpu_decode_layout
     model.eval()
+
+
+def sdpa_calls(monkeypatch) -> list[int]:
+    calls, sdpa = [], modeling_linearize.sdpa_attention_forward
+    monkeypatch.setattr(modeling_linearize, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("keys", [40, 43])
+@pytest.mark.parametrize("scaling", [None, 0.3])
+@torch.no_grad()
+def test_split_decode_attention_equals_sdpa(keys, scaling, monkeypatch):
+    """One query over a long GQA cache (keys past the blocks' multiple, a reserved cache's strided view): SDPA's answer."""
+    monkeypatch.setattr(modeling_linearize, "SPLIT_DECODE_MIN_KEYS", 32)
+    torch.manual_seed(0)
+    room = torch.randn(2, 2, 2, 64, 8)  # [B, Hkv, k | v, room, D]
+    key, value = room[:, :, 0, :keys], room[:, :, 1, :keys]
+    query = torch.randn(2, 6, 1, 8)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 3
+    want, _ = modeling_linearize.sdpa_attention_forward(module, query, key, value, None, scaling=scaling)
+    calls = sdpa_calls(monkeypatch)
+    got, weights = split_decode_attention(module, query, key, value, None, scaling=scaling)
+    assert not calls and weights is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    mask = torch.ones(2, 1, 1, keys, dtype=torch.bool)
+    split_decode_attention(module, query, key, value, mask, scaling=scaling)
+    split_decode_attention(module, torch.cat([query, query], 2), key, value, None, scaling=scaling)
+    assert len(calls) == 2, "a mask or another query count is SDPA's"
+
+
+@torch.no_grad()
+def test_softmax_layers_see_split_decode_for_sdpa_and_follow_the_model(monkeypatch):
+    monkeypatch.setattr(modeling_linearize, "SPLIT_DECODE_MIN_KEYS", 4)
+    model = make_model([LIN, FULL], {"window": 4, "chunk_size": 16}, attn_implementation="sdpa")
+    softmax = model.model.layers[1].self_attn
+    assert isinstance(softmax.config, SoftmaxAttentionConfig) and softmax.config.base is model.model.config
+    assert model.config._attn_implementation == "sdpa"
+    assert softmax.config._attn_implementation == modeling_linearize.SPLIT_DECODE
+    assert softmax.config.hidden_size == model.config.hidden_size
+    ids = random_ids(1, PROMPT, seed=11)
+    expected, expected_logits = greedy_by_recomputation(model, ids, NEW)
+    calls = []
+    split = modeling_linearize.split_decode_attention
+    monkeypatch.setattr(
+        modeling_linearize.AttentionInterface, "_global_mapping",
+        {**modeling_linearize.AttentionInterface._global_mapping, modeling_linearize.SPLIT_DECODE: lambda *a, **k: calls.append(a[1].shape[2]) or split(*a, **k)},
+    )
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert out.sequences[0, PROMPT:].tolist() == expected[0].tolist() and calls.count(1) == NEW - 1
+    for got, want in zip(out.logits, expected_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    model.set_attn_implementation("eager")
+    assert softmax.config._attn_implementation == "eager"
 
 
 # ----------------------------------------------------------------------------------------------
