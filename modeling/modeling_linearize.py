@@ -1000,16 +1000,23 @@ def lay_out_for_cpu_decode(model: nn.Module, column_major: bool) -> None:
 
     Values, parameter objects and tying are unchanged (only `.data` is replaced), so optimizers and
     tied heads keep working; saving wants row-major tensors, so `save_pretrained` puts them back.
+    Only plain `nn.Linear` layers with floating-point weights change: subclasses (quantized layers)
+    own their weights' layout.
     """
     for module in model.modules():
-        if not isinstance(module, nn.Linear) or module.weight.numel() < SPLIT_GEMV_MIN or module.weight.device.type != "cpu":
+        weight = getattr(module, "weight", None)
+        if (
+            type(module) not in (nn.Linear, SplitGemvLinear)
+            or not weight.is_floating_point()
+            or weight.numel() < SPLIT_GEMV_MIN
+            or weight.device.type != "cpu"
+        ):
             continue
-        weight = module.weight
         if column_major and not weight.t().is_contiguous():
             weight.data = weight.data.t().contiguous().t()
         elif not column_major and not weight.is_contiguous():
             weight.data = weight.data.contiguous()
-        if column_major and type(module) is nn.Linear:
+        if column_major:
             module.__class__ = SplitGemvLinear
 
 

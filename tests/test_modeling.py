@@ -659,8 +659,10 @@ def test_the_split_gemv_equals_the_linear_layer(rows, bias, monkeypatch):
     plain = torch.nn.Linear(48, 20, bias=bias)
     split = copy.deepcopy(plain)
     monkeypatch.setattr(modeling_linearize, "SPLIT_GEMV_MIN", 0)
-    modeling_linearize.lay_out_for_cpu_decode(torch.nn.Sequential(split), column_major=True)
+    subclass = type("QuantizedLinear", (torch.nn.Linear,), {})(48, 20)  # owns its layout: left alone
+    modeling_linearize.lay_out_for_cpu_decode(torch.nn.Sequential(split, subclass), column_major=True)
     assert type(split) is SplitGemvLinear and split.weight.t().is_contiguous() and torch.equal(split.weight, plain.weight)
+    assert type(subclass).__name__ == "QuantizedLinear" and subclass.weight.is_contiguous()
     x = torch.randn(rows, 1, 48)
     with torch.no_grad():
         torch.testing.assert_close(split(x), plain(x), rtol=1e-5, atol=1e-5)
