@@ -39,11 +39,10 @@ if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):  # before the 
         f"linear-attention cache: pip install -U 'transformers>={MIN_TRANSFORMERS}'"
     )
 
-from transformers import GenerationMixin, PreTrainedModel  # noqa: E402
+from transformers import AttentionInterface, GenerationMixin, PreTrainedModel  # noqa: E402
 from transformers import initialization as init  # noqa: E402
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-from transformers.modeling_utils import AttentionInterface  # noqa: E402
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
 
 from ..kernels.feature_maps import (  # noqa: E402

@@ -751,11 +751,12 @@ def test_softmax_layers_see_split_decode_for_sdpa_and_follow_the_model(monkeypat
     expected, expected_logits = greedy_by_recomputation(model, ids, NEW)
     calls = []
     split = modeling_linearize.split_decode_attention
-    monkeypatch.setattr(
-        modeling_linearize.AttentionInterface, "_global_mapping",
-        {**modeling_linearize.AttentionInterface._global_mapping, modeling_linearize.SPLIT_DECODE: lambda *a, **k: calls.append(a[1].shape[2]) or split(*a, **k)},
-    )
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    interface = modeling_linearize.AttentionInterface
+    interface.register(modeling_linearize.SPLIT_DECODE, lambda *a, **k: calls.append(a[1].shape[2]) or split(*a, **k))
+    try:
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    finally:
+        interface.register(modeling_linearize.SPLIT_DECODE, split)
     assert out.sequences[0, PROMPT:].tolist() == expected[0].tolist() and calls.count(1) == NEW - 1
     for got, want in zip(out.logits, expected_logits, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
