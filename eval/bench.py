@@ -5,9 +5,14 @@ Method (the same for both models, in one process):
 - Prefill: one forward with a fresh `DynamicCache(config=model.config)`, keeping only the last
   position's logits (full logits at 16K x 8 x 49K vocab would dominate memory and time).
 - Decode: `decode_tokens` greedy steps, one token per sequence per step, on the prefill cache.
-  tokens/s counts all sequences in the batch.
+  tokens/s counts all sequences in the batch. The steps run in DECODE_ROUNDS rounds, and models
+  benched together (student and teacher) take turns round by round, so both are timed over the same
+  stretch of wall-clock time: on a shared machine whose speed drifts by tens of percent over
+  minutes, the ratio then moves far less than either rate. Each model runs its own forward, as a
+  user runs it; only the order of the calls is interleaved.
 - Cache bytes: exact, summed over the cache's tensors after decoding (`cache_nbytes`).
-- Peak memory: the extra memory the point needed above what was in use before it.
+- Peak memory: the extra memory a model's prefill and first decode round needed above what was in
+  use before them (later rounds only grow the cache by a few tokens).
   CUDA: `torch.cuda.max_memory_allocated` minus the allocation before the point.
   CPU: the process's peak resident set (Linux `VmHWM`, reset through `/proc/self/clear_refs`
   before the point, after `malloc_trim`) minus the resident set before it; where that reset is
@@ -48,6 +53,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384)
 DEFAULT_BATCH_SIZES = (1, 8)
+DECODE_ROUNDS = 8  # decode steps are timed in this many rounds, models taking turns (module docstring)
 MiB = 1024**2
 
 
@@ -191,12 +197,12 @@ class _Runner:
         out = self.model(ids, cache=DynamicCache(config=self.model.config), use_cache=True, **kwargs)
         return out.logits[:, -1].argmax(-1, keepdim=True), out.cache
 
-    def decode(self, token: torch.Tensor, cache: Any, steps: int) -> Any:
+    def decode(self, token: torch.Tensor, cache: Any, steps: int) -> tuple[torch.Tensor, Any]:
         for _ in range(steps):
             out = self.model(token, cache=cache, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             cache = out.cache
-        return cache
+        return token, cache
 
     def cache_per_token(self) -> tuple[float, float]:
         """(fixed, per-token) cache bytes for one sequence, from two short prefills."""
@@ -208,93 +214,121 @@ class _Runner:
         return sizes[0] - 8 * slope, slope
 
 
+def decode_rounds(steps: int) -> list[int]:
+    """`steps` split into at most DECODE_ROUNDS near-equal rounds (none for 0 steps)."""
+    rounds = min(DECODE_ROUNDS, steps)
+    return [steps // rounds + (i < steps % rounds) for i in range(rounds)]
+
+
+@contextlib.contextmanager
+def _marks_oom(point: dict[str, Any], device: torch.device) -> Any:
+    """Run a model's work at a point; running out of memory marks the point "oom" instead of raising."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+        memory = isinstance(err, (torch.OutOfMemoryError, MemoryError))
+        if not memory and "can't allocate memory" not in str(err) and "out of memory" not in str(err):
+            raise
+        point["status"] = "oom"
+        log.warning("%s ctx=%d B=%d ran out of memory", point["model"], point["context"], point["batch"])
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _timed(runner: _Runner, fn: Any, *args: Any) -> tuple[Any, float]:
+    sync(runner.device)
+    start = time.perf_counter()
+    result = fn(*args)
+    sync(runner.device)
+    return result, time.perf_counter() - start
+
+
 @torch.no_grad()
-def bench_model(
-    model: PreTrainedModel,
+def bench_models(
+    models: dict[str, PreTrainedModel],
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     decode_tokens: int = 32,
-    name: str = "model",
     seed: int = 0,
     progress: bool = True,
     bandwidth: float | None = None,
-) -> list[dict[str, Any]]:
-    """One dict per (context, batch): timings, tokens/s, the bandwidth bound, peak memory, cache bytes, and
-    `status` ("ok", "skipped: ..." when the predicted cache does not fit, "oom" when it ran out anyway).
+) -> dict[str, list[dict[str, Any]]]:
+    """Per model, one dict per (context, batch): timings, tokens/s, the bandwidth bound, peak memory, cache
+    bytes, and `status` ("ok", "skipped: ..." when the predicted cache does not fit, "oom" when it ran out anyway).
 
-    `bandwidth` (bytes/s) is measured here unless given, so two models can share one measurement.
+    At each point every model prefills the same ids in turn, then their decode rounds alternate (see the
+    module docstring). `bandwidth` (bytes/s) is measured here unless given.
     """
-    runner = _Runner(model)
-    device = runner.device
+    runners = {name: _Runner(model) for name, model in models.items()}
+    device = next(iter(runners.values())).device
     bandwidth = bandwidth or read_bandwidth(device)
-    # Warm-up: first calls pay for lazy init, kernel selection and allocator growth.
-    token, cache = runner.prefill(torch.zeros(1, 16, dtype=torch.long, device=device))
-    runner.decode(token, cache, 2)
-    fixed, per_token = runner.cache_per_token()
-    del token, cache
-    points = []
+    sizes = {}
+    for name, runner in runners.items():  # warm-up: first calls pay for lazy init, kernel selection, allocator growth
+        runner.decode(*runner.prefill(torch.zeros(1, 16, dtype=torch.long, device=device)), 2)
+        sizes[name] = runner.cache_per_token()
+    rounds = decode_rounds(decode_tokens)
+    points: dict[str, list[dict[str, Any]]] = {name: [] for name in models}
     grid = [(c, b) for c in contexts for b in batch_sizes]
-    bar = tqdm(grid, desc=f"bench {name}", unit="pt", disable=not progress)
+    bar = tqdm(grid, desc=f"bench {', '.join(models)}", unit="pt", disable=not progress)
     for context, batch in bar:
         bar.set_postfix_str(f"ctx={context} B={batch}")
-        point: dict[str, Any] = {"model": name, "context": context, "batch": batch, "decode_tokens": decode_tokens}
-        predicted = batch * (fixed + per_token * (context + decode_tokens))
-        if 1.5 * predicted > _free_bytes(device):
-            point["status"] = f"skipped: predicted cache {predicted / MiB:.0f} MiB does not fit in free memory"
-            log.warning("%s ctx=%d B=%d %s", name, context, batch, point["status"])
-            points.append(point)
-            continue
         ids = torch.randint(
-            0, runner.vocab, (batch, context), generator=torch.Generator().manual_seed(seed + context + batch)
-        ).to(device)
-        try:
-            with PeakMemory(device) as mem:
-                sync(device)
-                t0 = time.perf_counter()
-                token, cache = runner.prefill(ids)
-                sync(device)
-                t1 = time.perf_counter()
-                cache = runner.decode(token, cache, decode_tokens)
-                sync(device)
-                t2 = time.perf_counter()
-        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
-            if (
-                isinstance(err, RuntimeError)
-                and "can't allocate memory" not in str(err)
-                and "out of memory" not in str(err)
-            ):
-                raise
-            point["status"] = "oom"
-            log.warning("%s ctx=%d B=%d ran out of memory", name, context, batch)
-            points.append(point)
-            continue
-        finally:
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        step_bytes = weight_bytes_per_step(model, batch) + cache_nbytes(cache)
-        bound_tok_s = batch * bandwidth / step_bytes
-        decode_tok_s = batch * decode_tokens / (t2 - t1) if decode_tokens else None
-        point.update(
-            status="ok",
-            prefill_s=t1 - t0,
-            prefill_tok_s=batch * context / (t1 - t0),
-            decode_s=t2 - t1,
-            decode_tok_s=decode_tok_s,
-            step_bytes=step_bytes,
-            bandwidth_bytes_s=bandwidth,
-            bound_tok_s=bound_tok_s,
-            bound_fraction=None if decode_tok_s is None else decode_tok_s / bound_tok_s,
-            peak_mem_bytes=mem.peak_bytes,
-            memory_method=mem.method,
-            cache_bytes=cache_nbytes(cache),
-        )
-        log.debug(
-            "%s ctx=%d B=%d prefill %.2fs decode %.1f tok/s", name, context, batch, t1 - t0, point["decode_tok_s"] or 0
-        )
-        points.append(point)
-        del cache, token, ids
+            0, min(r.vocab for r in runners.values()), (batch, context),
+            generator=torch.Generator().manual_seed(seed + context + batch),
+        ).to(device)  # fmt: skip
+        live: dict[str, dict[str, Any]] = {}
+        for name, runner in runners.items():
+            point: dict[str, Any] = {"model": name, "context": context, "batch": batch, "decode_tokens": decode_tokens}
+            points[name].append(point)
+            fixed, per_token = sizes[name]
+            predicted = batch * (fixed + per_token * (context + decode_tokens))
+            if 1.5 * predicted > _free_bytes(device):
+                point["status"] = f"skipped: predicted cache {predicted / MiB:.0f} MiB does not fit in free memory"
+                log.warning("%s ctx=%d B=%d %s", name, context, batch, point["status"])
+                continue
+            with _marks_oom(point, device), PeakMemory(device) as mem:
+                (token, cache), prefill_s = _timed(runner, runner.prefill, ids)
+                (token, cache), decode_s = _timed(runner, runner.decode, token, cache, rounds[0] if rounds else 0)
+                live[name] = {"token": token, "cache": cache, "decode_s": decode_s}
+            if name not in live:
+                continue
+            point.update(prefill_s=prefill_s, prefill_tok_s=batch * context / prefill_s, peak_mem_bytes=mem.peak_bytes)
+            point["memory_method"] = mem.method
+        for steps in rounds[1:]:
+            for name, state in list(live.items()):
+                with _marks_oom(points[name][-1], device):
+                    (state["token"], state["cache"]), seconds = _timed(
+                        runners[name], runners[name].decode, state["token"], state["cache"], steps
+                    )
+                    state["decode_s"] += seconds
+                if points[name][-1].get("status") == "oom":
+                    del live[name]
+        for name, state in live.items():
+            point, cache, decode_s = points[name][-1], state["cache"], state["decode_s"]
+            step_bytes = weight_bytes_per_step(models[name], batch) + cache_nbytes(cache)
+            bound_tok_s = batch * bandwidth / step_bytes
+            decode_tok_s = batch * decode_tokens / decode_s if decode_tokens else None
+            point.update(
+                status="ok",
+                decode_s=decode_s,
+                decode_tok_s=decode_tok_s,
+                step_bytes=step_bytes,
+                bandwidth_bytes_s=bandwidth,
+                bound_tok_s=bound_tok_s,
+                bound_fraction=None if decode_tok_s is None else decode_tok_s / bound_tok_s,
+                cache_bytes=cache_nbytes(cache),
+            )
+            log.debug("%s ctx=%d B=%d decode %.1f tok/s", name, context, batch, decode_tok_s or 0)
+        del live, ids
+        gc.collect()
     return points
+
+
+def bench_model(model: PreTrainedModel, *args: Any, name: str = "model", **kwargs: Any) -> list[dict[str, Any]]:
+    """`bench_models` for one model."""
+    return bench_models({name: model}, *args, **kwargs)[name]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -445,20 +479,30 @@ def run_bench(
         raise ValueError(f"bad --decode-tokens {decode_tokens}: give 0 or more")
     tspec = None if skip_teacher else teacher_spec(student_dir, teacher)
     dev = torch.device(device)
-    models = {"student": str(student_dir)} | ({"teacher": tspec} if tspec else {})
+    specs = {"student": str(student_dir)} | ({"teacher": tspec} if tspec else {})
     points: dict[str, list[dict[str, Any]]] = {}
     bandwidth = read_bandwidth(dev)
-    for role, spec in models.items():
-        model, _, _ = load(
-            spec, device=device, dtype=torch_dtype, with_tokenizer=False, trust_remote_code=trust_remote_code
-        )
-        points[role] = bench_model(
-            model, contexts, batch_sizes, decode_tokens, name=role, progress=progress, bandwidth=bandwidth
-        )
-        del model
+    loaded: dict[str, PreTrainedModel] = {}
+    schedule = "interleaved" if len(specs) > 1 else "one model"
+
+    def bench_loaded() -> None:
+        points.update(bench_models(loaded, contexts, batch_sizes, decode_tokens, progress=progress, bandwidth=bandwidth))
+        loaded.clear()
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+    for role, spec in specs.items():
+        # Both models stay loaded so their decode rounds can alternate, where memory allows it beside
+        # the caches; otherwise the student is benched and freed before the teacher loads.
+        if loaded and _free_bytes(dev) < 2 * max(weight_bytes_per_step(m, 1) for m in loaded.values()):
+            log.warning("the teacher does not fit beside the student: benching them one after the other")
+            schedule = "sequential"
+            bench_loaded()
+        loaded[role], _, _ = load(
+            spec, device=device, dtype=torch_dtype, with_tokenizer=False, trust_remote_code=trust_remote_code
+        )
+    bench_loaded()
     rows = ratio_rows(points["student"], points.get("teacher"))
     out = Path(student_dir)
     report = {
@@ -470,6 +514,7 @@ def run_bench(
         "contexts": list(contexts),
         "batch_sizes": list(batch_sizes),
         "decode_tokens": decode_tokens,
+        "schedule": schedule,
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "points": points,
         "rows": rows,

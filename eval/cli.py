@@ -158,7 +158,8 @@ def bench_main(argv: list[str] | None = None) -> int:
         console = _console()
         console.print(render_table(report["rows"]))
         console.print(
-            f"{report['device']}, {report['dtype']}, read bandwidth {report['read_bandwidth_gb_s']:.1f} GB/s; "
+            f"{report['device']}, {report['dtype']}, decode rounds {report['schedule']}, "
+            f"read bandwidth {report['read_bandwidth_gb_s']:.1f} GB/s; "
             f"wrote {report['paths']['json']} and {report['paths']['png']}"
         )
         return 0

@@ -13,7 +13,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from linearize.eval.bench import (
     PeakMemory,
     bench_model,
+    bench_models,
     cache_nbytes,
+    decode_rounds,
     parse_int_list,
     ratio_rows,
     read_bandwidth,
@@ -74,6 +76,35 @@ def test_bench_model_points_and_cache_size(model_dir):
     rows = ratio_rows(points, points)
     assert all(r["cache_ratio"] == 1.0 and r["prefill_speedup"] == 1.0 for r in rows)
     assert ratio_rows(points, None)[0]["decode_speedup"] is None
+
+
+def test_models_benched_together_take_turns_round_by_round(model_dir):
+    assert decode_rounds(0) == [] and decode_rounds(3) == [1, 1, 1] and decode_rounds(64) == [8] * 8
+    assert decode_rounds(10) == [2, 2, 1, 1, 1, 1, 1, 1]
+    models = {name: LlamaForCausalLM.from_pretrained(model_dir).eval() for name in ("student", "teacher")}
+    calls = []
+    for name, model in models.items():
+        model.register_forward_pre_hook(lambda m, args, kwargs, name=name: calls.append((name, args[0].shape[1])), with_kwargs=True)
+    points = bench_models(models, contexts=[20], batch_sizes=[2], decode_tokens=4, progress=False)
+    timed = calls[calls.index(("student", 20)) :]  # after the warm-up and cache sizing
+    assert timed == [("student", 20), ("student", 1), ("teacher", 20), ("teacher", 1)] + [("student", 1), ("teacher", 1)] * 3
+    for name in models:
+        (point,) = points[name]
+        assert point["model"] == name and point["status"] == "ok"
+        assert point["decode_tok_s"] == pytest.approx(2 * 4 / point["decode_s"])
+        assert point["cache_bytes"] == kv_bytes(2, 24)
+
+
+def test_bench_loads_the_teacher_beside_the_student_only_where_it_fits(model_dir, monkeypatch):
+    import linearize.eval.bench as bench
+
+    report = bench.run_bench(model_dir, teacher=str(model_dir), contexts=[16], batch_sizes=[1], decode_tokens=2, progress=False)
+    assert report["schedule"] == "interleaved"
+    weights = weight_bytes_per_step(LlamaForCausalLM.from_pretrained(model_dir), 1)
+    monkeypatch.setattr(bench, "_free_bytes", lambda device: int(1.5 * weights))  # the caches fit, a second model not
+    report = bench.run_bench(model_dir, teacher=str(model_dir), contexts=[16], batch_sizes=[1], decode_tokens=2, progress=False)
+    assert report["schedule"] == "sequential"
+    assert [r["status"] for r in report["rows"]] == ["ok"] and report["rows"][0]["decode_speedup"] > 0
 
 
 def test_weight_bytes_per_step_reads_the_input_embedding_only_for_its_rows(model_dir):
