@@ -143,6 +143,11 @@ def test_bench_cli_writes_json_and_png(model_dir, capsys):
     assert report["teacher"] == str(model_dir) and len(report["rows"]) == 4
     assert set(report["points"]) == {"student", "teacher"}
     assert all(r["cache_ratio"] == 1.0 for r in report["rows"])
+    assert report["schedule"] == "interleaved"
+    assert bench_main([str(model_dir), "--skip-teacher", "--contexts", "16", "--batch-sizes", "1", "--decode-tokens", "2"]) == 0
+    report = json.loads((model_dir / "bench.json").read_text())
+    assert report["schedule"] == "one model" and set(report["points"]) == {"student"}
+    assert report["rows"][0]["decode_speedup"] is None and report["rows"][0]["student_decode_tok_s"] > 0
 
 
 def test_bench_cli_input_errors(model_dir, tmp_path, capsys):
