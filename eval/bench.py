@@ -221,7 +221,7 @@ def decode_rounds(steps: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _marks_oom(point: dict[str, Any], device: torch.device) -> Any:
+def _marks_oom(point: dict[str, Any]) -> Any:
     """Run a model's work at a point; running out of memory marks the point "oom" instead of raising."""
     try:
         yield
@@ -231,17 +231,13 @@ def _marks_oom(point: dict[str, Any], device: torch.device) -> Any:
             raise
         point["status"] = "oom"
         log.warning("%s ctx=%d B=%d ran out of memory", point["model"], point["context"], point["batch"])
-    finally:
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
-def _timed(runner: _Runner, fn: Any, *args: Any) -> tuple[Any, float]:
-    sync(runner.device)
+def _timed(device: torch.device, fn: Any, *args: Any) -> tuple[Any, float]:
+    sync(device)
     start = time.perf_counter()
     result = fn(*args)
-    sync(runner.device)
+    sync(device)
     return result, time.perf_counter() - start
 
 
@@ -288,26 +284,33 @@ def bench_models(
                 point["status"] = f"skipped: predicted cache {predicted / MiB:.0f} MiB does not fit in free memory"
                 log.warning("%s ctx=%d B=%d %s", name, context, batch, point["status"])
                 continue
-            with _marks_oom(point, device), PeakMemory(device) as mem:
-                (token, cache), prefill_s = _timed(runner, runner.prefill, ids)
-                (token, cache), decode_s = _timed(runner, runner.decode, token, cache, rounds[0] if rounds else 0)
+            with _marks_oom(point), PeakMemory(device) as mem:
+                (token, cache), prefill_s = _timed(device, runner.prefill, ids)
+                (token, cache), decode_s = _timed(device, runner.decode, token, cache, rounds[0] if rounds else 0)
                 live[name] = {"token": token, "cache": cache, "decode_s": decode_s}
+            gc.collect()  # the prefill's activations, before the next model's prefill is measured
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             if name not in live:
                 continue
-            point.update(prefill_s=prefill_s, prefill_tok_s=batch * context / prefill_s, peak_mem_bytes=mem.peak_bytes)
-            point["memory_method"] = mem.method
+            point.update(
+                prefill_s=prefill_s,
+                prefill_tok_s=batch * context / prefill_s,
+                peak_mem_bytes=mem.peak_bytes,
+                memory_method=mem.method,
+            )
         for steps in rounds[1:]:
             for name, state in list(live.items()):
-                with _marks_oom(points[name][-1], device):
+                with _marks_oom(points[name][-1]):
                     (state["token"], state["cache"]), seconds = _timed(
-                        runners[name], runners[name].decode, state["token"], state["cache"], steps
+                        device, runners[name].decode, state["token"], state["cache"], steps
                     )
                     state["decode_s"] += seconds
                 if points[name][-1].get("status") == "oom":
                     del live[name]
         for name, state in live.items():
-            point, cache, decode_s = points[name][-1], state["cache"], state["decode_s"]
-            step_bytes = weight_bytes_per_step(models[name], batch) + cache_nbytes(cache)
+            point, cache_bytes, decode_s = points[name][-1], cache_nbytes(state["cache"]), state["decode_s"]
+            step_bytes = weight_bytes_per_step(models[name], batch) + cache_bytes
             bound_tok_s = batch * bandwidth / step_bytes
             decode_tok_s = batch * decode_tokens / decode_s if decode_tokens else None
             point.update(
@@ -318,7 +321,7 @@ def bench_models(
                 bandwidth_bytes_s=bandwidth,
                 bound_tok_s=bound_tok_s,
                 bound_fraction=None if decode_tok_s is None else decode_tok_s / bound_tok_s,
-                cache_bytes=cache_nbytes(cache),
+                cache_bytes=cache_bytes,
             )
             log.debug("%s ctx=%d B=%d decode %.1f tok/s", name, context, batch, decode_tok_s or 0)
         del live, ids
