@@ -422,6 +422,19 @@ def tokens_seen(layer: LinearAttentionCacheLayerMixin | None) -> int:
     return getattr(layer, "linearize_seen", 0) if has_state(layer) else 0
 
 
+def record_seen(layer: LinearAttentionCacheLayerMixin, seen: int) -> None:
+    """Set a linear layer's token count: `linearize_seen`, and the layer's own count where it keeps one.
+
+    From transformers 5.25 a `LinearAttentionLayer` answers `cache.get_seq_length()` from
+    `cumulative_length_linear`, which only its convolution-state updates advance (this module keeps
+    every state through `update_recurrent_state`), and the families' positions start from that answer.
+    """
+    layer.linearize_seen = seen
+    count = getattr(layer, "cumulative_length_linear", None)
+    if count is not None:
+        count.fill_(seen)
+
+
 def has_state(layer: LinearAttentionCacheLayerMixin | None) -> bool:
     """Whether a linear layer's cache holds a step (not fresh, not reset)."""
     return layer is not None and layer.has_previous_state[STATES["memory"]]
@@ -663,7 +676,7 @@ class LinearAttention(nn.Module):
             payload, valid, window_terms = self._through_window(layer, cache, q, k, v, payload, valid, start)
         k_feat, v = payload[:2]
         if layer is not None:
-            layer.linearize_seen = start + T
+            record_seen(layer, start + T)
             layer.has_previous_state[STATES["memory"]] = True
         keep = valid[:, None, :, None]
         v = v * keep
@@ -767,7 +780,7 @@ class LinearAttention(nn.Module):
         )
         if state is not memory:
             self._store(cache, "memory", state)
-        layer.linearize_seen = start + 1
+        record_seen(layer, start + 1)
         return self._share_normalizer(o, win)
 
     def _through_window(self, layer, cache, q, k, v, payload, valid, start):

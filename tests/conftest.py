@@ -7,6 +7,9 @@ decorated, i.e. at import.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Subprocesses started with `python -m` from the repository root must not find its kernels/ folder
+# as the top-level `kernels` package that transformers imports.
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 
 # --- conversion pipeline fixtures (tests/test_cli.py, test_resume.py, test_distributed.py, ...) ---

@@ -1,7 +1,9 @@
 """The `linearize` command end to end: a full conversion of a tiny Llama, --help, and every bad input
 answered with exit code 2 and one line on stderr that names the fix."""
 
+import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +174,23 @@ def test_help_lists_every_option_group_and_examples(tmp_path):
         assert flag in text, flag
     assert "examples:" in text and "linearize --model llama --ratio 3:1" in text
     assert "accelerate launch" in text
+
+
+def test_repository_root_on_sys_path_is_named_with_its_fix():
+    """`python -m` from the checkout puts its kernels/ folder where transformers imports the `kernels` package."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    code = "import linearize.convert"
+    shadowed = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        assert shadowed.returncode == 0, shadowed.stderr
+    else:
+        assert shadowed.returncode != 0
+        assert "run Python with -P (or PYTHONSAFEPATH=1)" in shadowed.stderr.strip().splitlines()[-1]
+    safe = subprocess.run([sys.executable, "-P", "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert safe.returncode == 0, safe.stderr
 
 
 # ---- bad inputs: exit code 2, one line on stderr ---------------------------------------------------
