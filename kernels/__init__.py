@@ -1,8 +1,8 @@
 """Linear-attention kernels: Triton for GPUs, each beside the PyTorch reference it must match."""
 
-import importlib.metadata
+if __name__ == "kernels":  # imported by that name only when the checkout's root is on sys.path
+    import importlib.metadata
 
-if __name__ == "kernels":
     try:
         importlib.metadata.version("kernels")
     except importlib.metadata.PackageNotFoundError:
