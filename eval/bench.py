@@ -4,7 +4,8 @@ Method (the same for both models, in one process):
 - Input: seeded random token ids (speed does not depend on content), `B x context`.
 - Prefill: one forward with a fresh `DynamicCache(config=model.config)`, keeping only the last
   position's logits (full logits at 16K x 8 x 49K vocab would dominate memory and time).
-- Decode: `decode_tokens` greedy steps, one token per sequence per step, on the prefill cache.
+- Decode: one untimed greedy step (the first step on a new shape is where a compiled step
+  recompiles), then `decode_tokens` timed greedy steps, one token per sequence per step.
   tokens/s counts all sequences in the batch. The steps run in DECODE_ROUNDS rounds, and models
   benched together (student and teacher) take turns round by round, so both are timed over the same
   stretch of wall-clock time: on a shared machine whose speed drifts by tens of percent over
@@ -286,6 +287,7 @@ def bench_models(
                 continue
             with _marks_oom(point), PeakMemory(device) as mem:
                 (token, cache), prefill_s = _timed(device, runner.prefill, ids)
+                token, cache = runner.decode(token, cache, 1)  # untimed: where a compiled step meets a new shape
                 (token, cache), decode_s = _timed(device, runner.decode, token, cache, rounds[0] if rounds else 0)
                 live[name] = {"token": token, "cache": cache, "decode_s": decode_s}
             gc.collect()  # the prefill's activations, before the next model's prefill is measured
@@ -466,10 +468,12 @@ def run_bench(
     progress: bool = True,
     dtype: str | torch.dtype = "auto",
     trust_remote_code: bool = False,
+    compile_student: bool = False,
 ) -> dict[str, Any]:
     """Bench the student folder (and its teacher) and write `bench.json` + `bench.png` into the folder.
 
-    The teacher defaults to the one the student's config records. `device` / `dtype` take "auto"
+    The teacher defaults to the one the student's config records, and runs as loaded; with
+    `compile_student` the student decodes through `compile_decoding`'s graph. `device` / `dtype` take "auto"
     (`models.resolve_device_dtype`); a teacher that is not a linearize export runs no remote code
     unless `trust_remote_code`. Returns the JSON report with `rows` (see `ratio_rows`) and the
     written `paths`.
@@ -505,6 +509,10 @@ def run_bench(
         loaded[role], _, _ = load(
             spec, device=device, dtype=torch_dtype, with_tokenizer=False, trust_remote_code=trust_remote_code
         )
+        if role == "student" and compile_student:
+            if not hasattr(loaded[role], "compile_decoding"):
+                raise ValueError(f"{student_dir}'s model code predates compiled decoding: convert it again, or bench without --compile")
+            loaded[role].compile_decoding()
     bench_loaded()
     rows = ratio_rows(points["student"], points.get("teacher"))
     out = Path(student_dir)
@@ -517,6 +525,7 @@ def run_bench(
         "contexts": list(contexts),
         "batch_sizes": list(batch_sizes),
         "decode_tokens": decode_tokens,
+        "student_decoding": "compiled" if compile_student else "eager",
         "schedule": schedule,
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "points": points,

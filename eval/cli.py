@@ -132,12 +132,17 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,8", help="batch sizes, comma-separated (default 1,8)")
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps per point (default 32)")
     p.add_argument("--skip-teacher", action="store_true", help="bench only the student")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode the student through torch.compile (its compile_decoding); the teacher runs as loaded",
+    )
     _common(p)
     return p
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    """`linearize bench DIR [--teacher MODEL] [--contexts 1024,4096,16384] [--batch-sizes 1,8] [--decode-tokens N]`."""
+    """`linearize bench DIR [--teacher MODEL] [--contexts 1024,4096,16384] [--batch-sizes 1,8] [--decode-tokens N] [--compile]`."""
 
     def body(args: argparse.Namespace) -> int:
         from .bench import parse_int_list, render_table, run_bench
@@ -154,11 +159,13 @@ def bench_main(argv: list[str] | None = None) -> int:
             skip_teacher=args.skip_teacher,
             dtype=args.dtype,
             trust_remote_code=args.trust_remote_code,
+            compile_student=args.compile,
         )
         console = _console()
         console.print(render_table(report["rows"]))
         console.print(
-            f"{report['device']}, {report['dtype']}, decode rounds {report['schedule']}, "
+            f"{report['device']}, {report['dtype']}, student decoding {report['student_decoding']}, "
+            f"decode rounds {report['schedule']}, "
             f"read bandwidth {report['read_bandwidth_gb_s']:.1f} GB/s; "
             f"wrote {report['paths']['json']} and {report['paths']['png']}"
         )

@@ -440,6 +440,13 @@ def has_state(layer: LinearAttentionCacheLayerMixin | None) -> bool:
     return layer is not None and layer.has_previous_state[STATES["memory"]]
 
 
+def settled(layer: LinearAttentionCacheLayerMixin) -> bool:
+    """Whether a linear layer's next step makes no host sync (a compiled step's condition): it holds a
+    state, and its sinks, if it keeps any, are full (`linearize_last_sink` is known)."""
+    sinks_filling = layer.is_recurrent_states_initialized[STATES["sink_kv"]] and getattr(layer, "linearize_last_sink", None) is None
+    return has_state(layer) and not sinks_filling
+
+
 def transfer_mse(out: torch.Tensor, teacher: torch.Tensor, late_weight: float = 0.0) -> torch.Tensor:
     """Attention transfer's MSE over [B, T, hidden]; with `late_weight` w, position t of T weighs 1 + w * t / T.
 
@@ -977,38 +984,41 @@ def reserve_softmax_layers(cache: Cache) -> None:
 
 
 class SplitGemvLinear(nn.Linear):
-    """`nn.Linear` whose decoding-sized products without autograd run on a column-major weight, one slice per thread.
+    """`nn.Linear` whose decoding-sized products without autograd on CPU take the layout's fastest path.
 
     A decoding step on CPU is one GEMV per weight, and PyTorch runs it on one core: over the usual
     row-major [out, in] weight it read ~10 GB/s on 2 cores here (SmolLM2's MLP, and 13 ms of a
-    ~80 ms step for the 49K x 576 output head alone). The same weight stored column-major (the
-    parameter keeps its shape, only its strides change) and multiplied as `threads` batched slices
-    of its input dimension, summed, reads 20-35 GB/s, and stays ahead for batches up to
-    SPLIT_GEMV_ROWS rows. Anything else (autograd, more rows, a row-major weight, another device)
-    takes `nn.Linear`'s own path.
+    ~80 ms step for the 49K x 576 output head alone).
+    - Eager: the same weight stored column-major (the parameter keeps its shape, only its strides
+      change) and multiplied as `threads` batched slices of its input dimension, summed, reads
+      20-35 GB/s, and stays ahead for batches up to SPLIT_GEMV_ROWS rows.
+    - Compiled (`LinearizeForCausalLM.compile_decoding`, weights row-major): one row is a multiply and
+      a sum over the input dimension, which inductor fuses into one reduction over all threads.
+    Anything else (autograd, more rows, another device) takes `nn.Linear`'s own path.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         rows = x.numel() // self.in_features
-        parts = math.gcd(self.in_features, torch.get_num_threads())
-        if (
-            parts == 1
-            or rows > SPLIT_GEMV_ROWS
-            or x.device.type != "cpu"
-            or not weight.t().is_contiguous()
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        ):
+        if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return super().forward(x)
-        slices = x.reshape(rows, parts, -1).transpose(0, 1)
-        y = torch.bmm(slices, weight.t().view(parts, -1, self.out_features)).sum(0)
+        if torch.compiler.is_compiling():
+            if rows != 1 or not weight.is_contiguous():
+                return super().forward(x)
+            y = (weight * x.reshape(1, -1)).sum(-1)
+        else:
+            parts = math.gcd(self.in_features, torch.get_num_threads())
+            if parts == 1 or rows > SPLIT_GEMV_ROWS or not weight.t().is_contiguous():
+                return super().forward(x)
+            slices = x.reshape(rows, parts, -1).transpose(0, 1)
+            y = torch.bmm(slices, weight.t().view(parts, -1, self.out_features)).sum(0)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
 
 def lay_out_for_cpu_decode(model: nn.Module, column_major: bool) -> None:
-    """Store the large linear weights on CPU column-major (for `SplitGemvLinear`), or back row-major.
+    """Make the large CPU linear layers `SplitGemvLinear`s, their weights column-major (eager decoding) or row-major.
 
     Values, parameter objects and tying are unchanged (only `.data` is replaced), so optimizers and
     tied heads keep working; saving wants row-major tensors, so `save_pretrained` puts them back.
@@ -1028,8 +1038,7 @@ def lay_out_for_cpu_decode(model: nn.Module, column_major: bool) -> None:
             weight.data = weight.data.t().contiguous().t()
         elif not column_major and not weight.is_contiguous():
             weight.data = weight.data.contiguous()
-        if column_major:
-            module.__class__ = SplitGemvLinear
+        module.__class__ = SplitGemvLinear
 
 
 def split_decode_attention(
@@ -1050,12 +1059,13 @@ def split_decode_attention(
     SPLIT_DECODE_BLOCKS blocks (views of the cache rows) that keep every thread busy, and the
     blocks' softmaxes merge by their maxima and sums, as flash-decoding does: the 3:1 student's
     step at 16K took 66 ms against 70 ms on 2 cores. Anything else (masks, several queries,
-    soft-capping, sinks, GPUs) is SDPA's.
+    soft-capping, sinks, GPUs, a compiled step) is SDPA's.
     """
     B, H, Q, D = query.shape
     Hkv, T = key.shape[1], key.shape[2]
     if (
         Q != 1
+        or torch.compiler.is_compiling()
         or attention_mask is not None
         or dropout
         or T < SPLIT_DECODE_MIN_KEYS
@@ -1159,6 +1169,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             else:
                 attention.config = SoftmaxAttentionConfig(attention.config)
         self.cpu_decode_layout = False  # large weights column-major for SplitGemvLinear, from the first CPU decoding step
+        self.compiled_step: Callable | None = None  # the decoding step's graph, once `compile_decoding` asks for it
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, config: LinearizeConfig | None = None, **kwargs):
@@ -1197,24 +1208,33 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ):
-        """The family's forward, with the hybrid cache, the padding mask for linear layers and per-layer attentions."""
+        """The family's forward, with the hybrid cache, the padding mask for linear layers and per-layer attentions.
+
+        A decoding step (one token, a cache, no gradient) runs the graph of `compile_decoding` once it
+        is asked for and the linear layers have `settled`; on CPU without it, the large weights are laid
+        out for `SplitGemvLinear` first.
+        """
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         self._check_cache(cache)
-        if cache is not None:
+        if cache is not None and self.compiled_step is None:
             reserve_softmax_layers(cache)
         embeds = inputs_embeds if inputs_embeds is not None else input_ids
-        if (
-            not self.cpu_decode_layout
-            and embeds is not None
-            and embeds.shape[1] == 1
-            and not self.training
-            and not torch.is_grad_enabled()
-            and self.device.type == "cpu"
-        ):
+        step = embeds is not None and embeds.shape[1] == 1 and not self.training and not torch.is_grad_enabled()
+        forward = self._forward
+        if step and self.compiled_step is not None and cache is not None and self._settled(cache):
+            forward = self.compiled_step
+        elif step and not self.cpu_decode_layout and self.compiled_step is None and self.device.type == "cpu":
             lay_out_for_cpu_decode(self, column_major=True)
             self.cpu_decode_layout = True
+        return_dict = kwargs.pop("return_dict", None)
+        out = forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep, **kwargs)
+        return out if (getattr(self.config, "return_dict", True) if return_dict is None else return_dict) else out.to_tuple()
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep, **kwargs):
+        """`forward` past its cache and layout set-up: what `compile_decoding` compiles."""
+        embeds = inputs_embeds if inputs_embeds is not None else input_ids
         linear = [kind == LINEAR for kind in self.config.layer_types]
         if attention_mask is not None and attention_mask.ndim == 2:
             kwargs[PADDING_KWARG] = attention_mask
@@ -1226,7 +1246,6 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
                 start = tokens_seen(cache.layers[0])
                 position_ids = torch.arange(start, start + T, device=embeds.device)[None]
             attention_mask = torch.ones(B, 1, T, 1, dtype=torch.bool, device=embeds.device)
-        return_dict = kwargs.pop("return_dict", None)
         out = super().forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1242,7 +1261,23 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         if out.attentions is not None and len(out.attentions) == linear.count(False) and any(linear):
             recorded = iter(out.attentions)
             out.attentions = tuple(None if is_linear else next(recorded) for is_linear in linear)
-        return out if (getattr(self.config, "return_dict", True) if return_dict is None else return_dict) else out.to_tuple()
+        return out
+
+    def compile_decoding(self, **options) -> LinearizeForCausalLM:
+        """Run every later decoding step (one token, a cache, no gradient) through one `torch.compile` graph.
+
+        Decoding is bound by reading the weights, and an eager step on CPU spends much of its time
+        between small ops; compiled, the step's element-wise work fuses into the products and the
+        one-row products become parallel reductions over row-major weights (`SplitGemvLinear`).
+        `options` go to `torch.compile`. The first steps compile (about a minute on 2 CPU cores) and
+        the position becomes a symbolic size after the second, so one graph serves the rest. Steps
+        while sinks still fill, prefill, training and scoring stay eager. Returns the model.
+        """
+        self._row_major()
+        if self.device.type == "cpu":
+            lay_out_for_cpu_decode(self, column_major=False)
+        self.compiled_step = torch.compile(self._forward, **options)
+        return self
 
     def train(self, mode: bool = True):
         """Row-major weights again before training: DDP buckets, offloading and safetensors expect contiguous ones."""
@@ -1259,6 +1294,11 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         if getattr(self, "cpu_decode_layout", False):
             lay_out_for_cpu_decode(self, column_major=False)
             self.cpu_decode_layout = False
+
+    def _settled(self, cache: Cache) -> bool:
+        """Whether every linear layer's next step is free of host syncs: until then steps stay eager,
+        as a sync inside the compiled step would break its graph (and recompile it per layer)."""
+        return all(settled(layer) for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin))
 
     def _check_cache(self, cache: Cache | None) -> None:
         if cache is None:

@@ -709,6 +709,40 @@ def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tm
     model.eval()
 
 
+@pytest.mark.parametrize("layer_types", [[LIN, FULL], [LIN, LIN]], ids=["hybrid", "all-linear"])
+@torch.no_grad()
+def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monkeypatch):
+    """After `compile_decoding`, generate's steps past the filling sinks run one torch.compile graph
+    without graph breaks (the position symbolic after the second) and give the eager model's tokens
+    and logits; the weights stay row-major and the softmax layers' caches plain, as the graph needs."""
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(2)
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(modeling_linearize, "SPLIT_GEMV_MIN", 1024)
+    model = make_model(layer_types, {"window": 4, "sink": 4, "chunk_size": 16}, tie_word_embeddings=True)
+    ids = random_ids(1, 3, seed=12)  # the first step fills the last sink: it stays eager (a host sync)
+    expected, expected_logits = greedy_by_recomputation(model, ids, NEW)
+    assert model.compile_decoding() is model
+    steps = []
+    compiled = model.compiled_step
+    model.compiled_step = lambda *args, **kwargs: steps.append(1) or compiled(*args, **kwargs)
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert out.sequences[0, 3:].tolist() == expected[0].tolist()
+    for got, want in zip(out.logits, expected_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert len(steps) == NEW - 2, "every step once the sinks are full runs the compiled graph"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # The first compiled position is static, later ones symbolic, split at most by the window's wrap
+    # (position % window): a handful of graphs for 22 positions, not one each.
+    assert counters["stats"]["unique_graphs"] <= 4, "one graph per regime, not one per position"
+    large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
+    assert large and all(type(m) is SplitGemvLinear and m.weight.is_contiguous() for m in large)
+    assert not model.cpu_decode_layout
+    assert all(type(layer) is not modeling_linearize.ReservedDynamicLayer for layer in out.cache.layers)
+
+
 def sdpa_calls(monkeypatch) -> list[int]:
     calls, sdpa = [], modeling_linearize.sdpa_attention_forward
     monkeypatch.setattr(modeling_linearize, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
