@@ -19,9 +19,11 @@ in their sums: the in-chunk scores across sub-chunks, the in-chunk dq/dk, and A^
 One decay per head (g [B, H, T, 1]: RetNet, the key gate, Performer's stabilizer) is read once per
 token (channel stride 0), and its in-chunk scores are one masked dot per chunk, forward and backward.
 
-Launches: under TRITON_INTERPRET=1 everything runs on CPU tensors with fixed tiles; on CUDA the
-kernels autotune BK/BV, num_warps and num_stages, and run under the inputs' device guard, so a
-layer on cuda:1 works while cuda:0 is current. States (per-chunk and final) are fp32 or, on
+Launches: fixed tiles (BK = BV = 64 at most, Triton's default warps and stages), the configuration
+checked on an H200; LINEARIZE_AUTOTUNE=1 autotunes BK/BV and num_warps on CUDA instead (there it once
+hit an illegal memory access while tuning, see the README). Under TRITON_INTERPRET=1 everything runs
+on CPU tensors. Every launch runs under the inputs' device guard, so a layer on cuda:1 works while
+cuda:0 is current. States (per-chunk and final) are fp32 or, on
 request, bf16 (`state_dtype`); every sum accumulates in fp32.
 
 The log-decay gradient needs no sequence-long cumulative sum: dg_t is the sum over r >= t within
@@ -32,6 +34,7 @@ chunk's last token, the state leaving it: rowsum(h_{n+1} * dh_{n+1}).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 from collections.abc import Callable
@@ -53,22 +56,33 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-TILES = (32, 64, 128)  # the BK / BV tiles the autotuner tries
+def _fixed_tiles() -> bool:
+    """Launch fixed tiles unless LINEARIZE_AUTOTUNE=1 was set before the kernels were imported, and always
+    under the interpreter (no driver to time with). Fixed tiles compile once per shape; the autotuner
+    compiles every config, and on an H200 one of its configs crashed (README, "GPU check")."""
+    return _interpreting() or os.environ.get("LINEARIZE_AUTOTUNE", "0").strip() != "1"
+
+
+TILES = (32, 64, 128)  # the BK / BV tiles the autotuner tries (LINEARIZE_AUTOTUNE=1)
+WARPS = (4, 8)  # with the tiles: every config costs a compile, about a second each on a GPU host
+STAGES = 2
 
 
 def _tuned(kernel, key: list[str], tiles: tuple[str, ...] = (), prune: Callable | None = None):
-    """Autotune num_warps, num_stages and the named tiles (BK, BV) on real hardware only.
-
-    The interpreter has no driver to time with: there the launch passes fixed tiles (`_launch`).
+    """Autotune num_warps and the named tiles (BK, BV) where `_fixed_tiles` says so; else the kernel itself,
+    launched with fixed tiles (`_launch`).
     Tuned kernels only store their outputs, never read them, so the timing reruns are harmless.
     `prune` replaces `_fitting_tiles` as the filter of the configs to try (a kernel with its own limits).
+    Where Triton can, the choice is cached on disk beside the compiled kernels: a machine tunes a shape once.
     """
-    if _interpreting():
+    if _fixed_tiles():
         return kernel
     sizes = [dict(zip(tiles, combo)) for combo in itertools.product(TILES, repeat=len(tiles))]
-    configs = [triton.Config(size, num_warps=w, num_stages=s) for size in sizes for w in (2, 4, 8) for s in (1, 2)]
-    early = {"early_config_prune": prune or _fitting_tiles}
-    return triton.autotune(configs=configs, key=key, prune_configs_by=early)(kernel)
+    configs = [triton.Config(size, num_warps=w, num_stages=STAGES) for size in sizes for w in WARPS]
+    options = {"prune_configs_by": {"early_config_prune": prune or _fitting_tiles}}
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        options["cache_results"] = True
+    return triton.autotune(configs=configs, key=key, **options)(kernel)
 
 
 def _fitting_tiles(configs: list, named_args: dict, **kwargs) -> list:
@@ -660,8 +674,8 @@ def _block(dim: int, cap: int = 64) -> int:
 
 
 def _launch(kernel, grid, *args, tiles: dict[str, int], **meta) -> None:
-    """Launch over `grid(tiles)`; fixed tiles under the interpreter, the autotuner's choice on hardware."""
-    if _interpreting():
+    """Launch over `grid(tiles)`: fixed tiles (`_fixed_tiles`), else the autotuner's choice."""
+    if _fixed_tiles():
         kernel[grid(tiles)](*args, **tiles, **meta)
     else:
         kernel[grid](*args, **meta)

@@ -105,10 +105,11 @@ def test_launches_run_under_the_inputs_device_guard(monkeypatch: pytest.MonkeyPa
 
 def test_kernels_keep_fp32_where_gla_does_and_tune_bounded_state_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """The UT transform and its backward take the kept fp32 precision; on hardware the scans tune BV only as
-    wide as a whole-K state tile allows (K = 256: at most 64), and every launcher is an autotuner."""
+    wide as a whole-K state tile allows (K = 256: at most 64) when autotuning."""
     for kernel in (delta_triton._ut_fwd_kernel, delta_triton._dv_local_kernel, delta_triton._ut_bwd_kernel):
         assert "PREC32" in kernel.arg_names
     monkeypatch.setattr(gla_triton, "_interpreting", lambda: False)
+    monkeypatch.setenv("LINEARIZE_AUTOTUNE", "1")
     tuner = gla_triton._tuned(delta_triton._delta_state_kernel, ["K", "V"], ("BV",), prune=delta_triton._state_tiles)
     assert {c.kwargs["BV"] for c in tuner.configs} == set(gla_triton.TILES)
     assert {c.kwargs["BV"] for c in delta_triton._state_tiles(tuner.configs, {}, K=256, V=128)} == {32, 64}
