@@ -3,7 +3,7 @@
 1. correctness: `chunk_gla_triton` (o, final state, dq, dk, dv, dg, dh0), `fused_recurrent_gla_triton`
    (one decoding step) and the delta rule's `chunk_delta_triton` (o, final state, dq, dk, dv, dbeta,
    dg, dh0) in fp32 and bf16 against an fp64 reference on the same device, as relative errors
-   norm(diff) / norm(ref); the first call of each dtype also compiles (and, on CUDA, autotunes);
+   norm(diff) / norm(ref); the first call of each dtype also compiles (and, with --autotune, tunes);
 2. speed: the chunked kernel's forward and forward + backward against causal SDPA (flash on CUDA) and
    fla's `chunk_gla` when importable, and the decoding step against SDPA over a KV cache of T tokens;
 3. conversion: `linearize.convert.pipeline.convert` on the embedded model in bf16 with tiny budgets
@@ -12,12 +12,14 @@
 
 `--quick` is the same on CPU in seconds: Triton's interpreter, tiny shapes, one-repeat timings and a
 random 4-layer Llama. The exit code is 1 when a correctness check or the conversion fails (the goals
-are reported, not enforced), 2 without a CUDA device unless `--quick`.
+are reported, not enforced), 2 without a CUDA device unless `--quick`. A lease is short, so a run can
+be cut to it: `--skip` parts, `--check-budget` seconds for the checks, `--autotune` (LINEARIZE_AUTOTUNE=1,
+every config compiled and timed); the report is rewritten after every part, so a run stopped at its limit keeps what it measured.
 
 Kernel modules are imported inside the functions that call them: Triton picks its interpreter when a
 kernel is decorated, so `--quick` must set TRITON_INTERPRET before the first import.
 
-    python -m linearize.kernels.gpu_check [--quick] [--out DIR]
+    python -m linearize.kernels.gpu_check [--quick] [--out DIR] [--skip PART ...] [--check-budget S] [--autotune]
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ FLA_GOAL_MIN_T, FLA_GOAL_RATIO = 4096, 1.0
 SDPA_GOAL_T, SDPA_GOAL_SPEEDUP = 16384, 2.0
 OURS, SDPA, FLA = "gla-chunk/triton", "sdpa-causal", "fla-chunk_gla"
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+PARTS = ("checks", "prefill", "decode", "convert")
 
 
 @dataclass(frozen=True)
@@ -298,32 +301,32 @@ def check_decode(plan: Plan, K: int, V: int, device: torch.device, normalizer: b
     return [_row(kernel, name, 1, K, V, "channel", partial(run, dtype)) for name, dtype in CHECK_DTYPES.items()]
 
 
-def run_checks(plan: Plan, device: torch.device) -> list[CheckRow]:
+def run_checks(plan: Plan, device: torch.device, budget: float | None = None) -> tuple[list[CheckRow], int]:
     """Every shape of the plan with per-channel gates, per-head gates at the shortest T, and the decoding step;
-    the delta rule's chunked kernel at every K and V at the shortest T and at the widest K, V at every other T."""
+    the delta rule's chunked kernel at every K and V at the shortest T and at the widest K, V at every other T.
+
+    With a `budget` in seconds no case starts once it is spent: returns the rows run and how many cases were
+    skipped. Every kernel runs at the shortest T before any longer T, so a short budget loses length, not kernels."""
+    shortest = min(plan.seq_lens)
     cases = [(T, K, V, "channel", False) for T in plan.seq_lens for K in plan.key_dims for V in plan.value_dims]
-    cases += [(min(plan.seq_lens), K, V, "head", False) for K in plan.key_dims for V in plan.value_dims]
-    cases += [(min(plan.seq_lens), K, V, "channel", True) for K in plan.key_dims for V in plan.value_dims]
-    delta = [(min(plan.seq_lens), K, V) for K in plan.key_dims for V in plan.value_dims]
-    delta += [(T, max(plan.key_dims), max(plan.value_dims)) for T in plan.seq_lens if T != min(plan.seq_lens)]
-    decode = [(K, V) for K in plan.key_dims for V in plan.value_dims]
+    cases += [(shortest, K, V, gate, normalizer) for K in plan.key_dims for V in plan.value_dims for gate, normalizer in (("head", False), ("channel", True))]
+    delta = [(shortest, K, V) for K in plan.key_dims for V in plan.value_dims]
+    delta += [(T, max(plan.key_dims), max(plan.value_dims)) for T in plan.seq_lens if T != shortest]
+    # (longer than the shortest T, job), sorted so that every kernel runs at the shortest T before any longer T
+    jobs = [(False, partial(check_decode, plan, K, V, device, normalizer)) for K in plan.key_dims for V in plan.value_dims for normalizer in (False, True)]
+    jobs += [(T != shortest, partial(check_chunk, plan, T, K, V, gate, device, normalizer)) for T, K, V, gate, normalizer in cases]
+    jobs += [(T != shortest, partial(check_delta_chunk, plan, T, K, V, device)) for T, K, V in delta]
+    jobs.sort(key=lambda job: job[0])
     rows: list[CheckRow] = []
-    total = len(cases) + len(delta) + len(decode)
-    with tqdm(total=total, desc="checks", disable=bool(os.environ.get("LINEARIZE_NO_PROGRESS"))) as bar:
-        for T, K, V, gate, normalizer in cases:
-            bar.set_postfix(T=T, K=K, V=V, gate=gate, normalizer=normalizer)
-            rows.extend(check_chunk(plan, T, K, V, gate, device, normalizer))
-            bar.update(1)
-        for T, K, V in delta:
-            bar.set_postfix(delta=f"T={T} K={K} V={V}")
-            rows.extend(check_delta_chunk(plan, T, K, V, device))
-            bar.update(1)
-        for K, V in decode:
-            bar.set_postfix(decode=f"K={K} V={V}")
-            rows.extend(check_decode(plan, K, V, device))
-            rows.extend(check_decode(plan, K, V, device, normalizer=True))
-            bar.update(1)
-    return rows
+    started, skipped = time.perf_counter(), 0
+    for _, job in tqdm(jobs, desc="checks", disable=bool(os.environ.get("LINEARIZE_NO_PROGRESS"))):
+        if budget is not None and time.perf_counter() - started > budget:
+            skipped += 1
+            continue
+        rows.extend(job())
+    if skipped:
+        logger.warning("checks: %d of %d cases skipped, the %.0f s budget spent", skipped, len(jobs), budget)
+    return rows, skipped
 
 
 def compile_times(rows: list[CheckRow]) -> dict[str, dict[str, float | bool]]:
@@ -572,6 +575,8 @@ def _summary(report: dict[str, Any], checks: list[CheckRow], prefill: list[Prefi
             cells = [f"{errors[t]:.2e}" if t in errors else "-" for t in tensors]
             table.add_row(kernel, name, f"{sum(r.passed for r in rows)}/{len(rows)}", *cells, f"{TOLERANCE[name]:g}")
     console.print(table)
+    if report["skipped_checks"]:
+        console.print(f"checks: {report['skipped_checks']} cases skipped, the --check-budget spent")
     conversion = report["conversion"]
     if "skipped" in conversion:
         console.print(f"conversion: skipped ({conversion['skipped']})")
@@ -596,7 +601,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths (default 2048..16384; quick 32 80)")
     p.add_argument("--key-dims", type=int, nargs="+", help="key dims of the checks (default 64 128 256; quick 16 32)")
     p.add_argument("--value-dims", type=int, nargs="+", help="value dims; timings run at K = V (default 64 128; quick 16)")
-    p.add_argument("--no-convert", action="store_true", help="skip the conversion steps")
+    p.add_argument("--skip", nargs="+", default=[], choices=PARTS, help="parts not to run")
+    p.add_argument("--check-budget", type=float, metavar="S", help="start no correctness case after S seconds of checks")
+    p.add_argument("--autotune", action="store_true", help="autotune the tiles and warps (LINEARIZE_AUTOTUNE=1)")
     return p
 
 
@@ -606,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick and not torch.cuda.is_available():
         print(f"gpu_check: error: {NO_CUDA}", file=sys.stderr)
         return 2
+    if args.autotune:
+        os.environ["LINEARIZE_AUTOTUNE"] = "1"
     if args.quick:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         torch.set_num_threads(1)  # tiny tensors: one thread never waits on a busy sibling core
@@ -651,47 +660,69 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%s done in %.1f s", name, phases[name])
         return result
 
-    checks = timed_phase("checks", partial(run_checks, plan, device), [])
-    prefill = timed_phase("prefill timing", partial(time_prefill, plan, device), [])
-    decode = timed_phase("decode timing", partial(time_decode, plan, device), [])
-    if args.no_convert:
-        conversion: dict[str, Any] = {"skipped": "--no-convert", "passed": True}
-    else:
-        failed = {"passed": False, "error": "the conversion phase raised (see failures)"}
-        conversion = timed_phase("conversion", partial(run_conversion, plan, args.quick, device), failed)
-    goals = evaluate_goals(checks, prefill, args.quick, fla_available)
     args.out.mkdir(parents=True, exist_ok=True)
     paths = {"json": args.out / "gpu_check.json", "png": args.out / "gpu_check.png"}
-    report = {
-        "setup": {
-            "header": header,
-            "mode": "quick" if args.quick else "full",
-            "device": where,
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "fla": fla_available,
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "plan": asdict(plan),
-            "reference": (
-                f"fp64 on the same device: gla_parallel for T <= {PARALLEL_MAX_T}, else gla_chunked; delta rule: "
-                f"delta_recurrent for T <= {RECURRENT_MAX_T}, else delta_chunked"
-            ),
-            "tolerance": TOLERANCE,
-        },
-        "passed": bool(checks) and all(r.passed for r in checks) and conversion["passed"] and not failures,
-        "failures": failures,
-        "compile": compile_times(checks),
-        "worst_errors": worst_errors(checks),
-        "correctness": [asdict(r) for r in checks],
-        "prefill": [asdict(r) for r in prefill],
-        "decode": [asdict(r) for r in decode],
-        "conversion": conversion,
-        "goals": goals,
-        "seconds": phases,
-        "files": {k: str(v) for k, v in paths.items()},
+    setup = {
+        "header": header,
+        "mode": "quick" if args.quick else "full",
+        "device": where,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "fla": fla_available,
+        "autotune": not gla_triton._fixed_tiles(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "plan": asdict(plan),
+        "skipped_parts": args.skip,
+        "check_budget_s": args.check_budget,
+        "reference": (
+            f"fp64 on the same device: gla_parallel for T <= {PARALLEL_MAX_T}, else gla_chunked; delta rule: "
+            f"delta_recurrent for T <= {RECURRENT_MAX_T}, else delta_chunked"
+        ),
+        "tolerance": TOLERANCE,
     }
+    checks: list[CheckRow] = []
+    skipped_checks = 0
+    prefill: list[PrefillRow] = []
+    decode: list[DecodeRow] = []
+    conversion: dict[str, Any] = {"skipped": "--skip convert", "passed": True}
+
+    def report_so_far() -> dict[str, Any]:
+        """The report of the parts run so far, rewritten after each: a run stopped at its limit keeps them."""
+        report = {
+            "setup": setup,
+            "passed": ("checks" in args.skip or bool(checks))
+            and all(r.passed for r in checks)
+            and conversion["passed"]
+            and not failures,
+            "failures": failures,
+            "skipped_checks": skipped_checks,
+            "compile": compile_times(checks),
+            "worst_errors": worst_errors(checks),
+            "correctness": [asdict(r) for r in checks],
+            "prefill": [asdict(r) for r in prefill],
+            "decode": [asdict(r) for r in decode],
+            "conversion": conversion,
+            "goals": evaluate_goals(checks, prefill, args.quick, fla_available),
+            "seconds": phases,
+            "files": {k: str(v) for k, v in paths.items()},
+        }
+        write_json(report, paths["json"])
+        return report
+
+    if "checks" not in args.skip:
+        checks, skipped_checks = timed_phase("checks", partial(run_checks, plan, device, args.check_budget), ([], 0))
+        report_so_far()
+    if "prefill" not in args.skip:
+        prefill = timed_phase("prefill timing", partial(time_prefill, plan, device), [])
+        report_so_far()
+    if "decode" not in args.skip:
+        decode = timed_phase("decode timing", partial(time_decode, plan, device), [])
+        report_so_far()
+    if "convert" not in args.skip:
+        failed = {"passed": False, "error": "the conversion phase raised (see failures)"}
+        conversion = timed_phase("conversion", partial(run_conversion, plan, args.quick, device), failed)
+    report = report_so_far()
     plot(report["worst_errors"], prefill, decode, paths["png"], header)
-    write_json(report, paths["json"])
     _summary(report, checks, prefill, decode)
     return 0 if report["passed"] else 1
 

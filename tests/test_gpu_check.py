@@ -77,3 +77,16 @@ def test_full_check_without_cuda_names_the_fix(tmp_path: Path, cli_env: dict[str
     assert proc.returncode == 2
     assert proc.stderr.strip() == "gpu_check: error: no CUDA device: run on a CUDA machine, or pass --quick"
     assert not list(tmp_path.iterdir())
+
+
+def test_a_run_cut_to_its_lease_reports_what_it_skipped(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    """--skip leaves parts out and --check-budget stops starting cases: the report says so, and a run that
+    checked nothing does not pass."""
+    out = tmp_path / "gpu_check"
+    proc = run_gpu_check(["--quick", "--skip", "prefill", "decode", "convert", "--check-budget", "0", "--out", str(out)], tmp_path, cli_env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["correctness"] == [] and report["skipped_checks"] > 0 and not report["passed"]
+    assert report["prefill"] == [] and report["decode"] == [] and report["conversion"]["skipped"] == "--skip convert"
+    assert report["setup"]["skipped_parts"] == ["prefill", "decode", "convert"] and not report["setup"]["autotune"]
+    assert "cases skipped, the --check-budget spent" in proc.stdout
