@@ -305,6 +305,9 @@ def load_teacher(
         if tokenizer is None:
             raise ValueError("pass the teacher's tokenizer along with a model in memory")
         spec = resolved = getattr(teacher.config, "_name_or_path", "") or "in-memory model"
+        # Where a loaded teacher would be: on the accelerator's device, in the recipe's dtype unless `auto`
+        # (then the model's own). Module.to moves in place: the student takes these weights anyway.
+        teacher.to(accelerator.device, dtype=None if recipe.dtype == "auto" else recipe.torch_dtype(accelerator.device))
     teacher.eval().requires_grad_(False)
     return teacher, tokenizer, spec, resolved
 

@@ -252,3 +252,18 @@ def test_convert_in_memory_needs_the_tokenizer(tiny_llama_dir):
 
     with pytest.raises(ValueError, match="pass the teacher's tokenizer"):
         convert(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), None, recipe=tiny_recipe())
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [("auto", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_an_in_memory_teacher_goes_where_a_loaded_one_would(tiny_llama_dir, dtype, expected):
+    """On the accelerator's device (a GPU run once failed with the teacher left on the CPU), in the recipe's
+    dtype, or its own under `auto`."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from linearize.convert.pipeline import load_teacher
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float16)
+    accelerator = Accelerator(cpu=True)
+    teacher, *_ = load_teacher(model, AutoTokenizer.from_pretrained(tiny_llama_dir), tiny_recipe(dtype=dtype), accelerator)
+    assert {(p.device, p.dtype) for p in teacher.parameters()} == {(accelerator.device, expected)}
