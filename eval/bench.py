@@ -4,8 +4,9 @@ Method (the same for both models, in one process):
 - Input: seeded random token ids (speed does not depend on content), `B x context`.
 - Prefill: one forward with a fresh `DynamicCache(config=model.config)`, keeping only the last
   position's logits (full logits at 16K x 8 x 49K vocab would dominate memory and time).
-- Decode: one untimed greedy step (the first step on a new shape is where a compiled step
-  recompiles), then `decode_tokens` timed greedy steps, one token per sequence per step.
+- Decode: UNTIMED_STEPS greedy steps (a compiled step compiles at the first position and again, with
+  the position symbolic, at the second), then `decode_tokens` timed greedy steps, one token per
+  sequence per step.
   tokens/s counts all sequences in the batch. The steps run in DECODE_ROUNDS rounds, and models
   benched together (student and teacher) take turns round by round, so both are timed over the same
   stretch of wall-clock time: on a shared machine whose speed drifts by tens of percent over
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CONTEXTS = (1024, 4096, 16384)
 DEFAULT_BATCH_SIZES = (1, 8)
 DECODE_ROUNDS = 8  # decode steps are timed in this many rounds, models taking turns (module docstring)
+UNTIMED_STEPS = 2  # after each prefill, before the timed steps (module docstring)
 MiB = 1024**2
 
 
@@ -287,7 +289,7 @@ def bench_models(
                 continue
             with _marks_oom(point), PeakMemory(device) as mem:
                 (token, cache), prefill_s = _timed(device, runner.prefill, ids)
-                token, cache = runner.decode(token, cache, 1)  # untimed: where a compiled step meets a new shape
+                token, cache = runner.decode(token, cache, UNTIMED_STEPS)
                 (token, cache), decode_s = _timed(device, runner.decode, token, cache, rounds[0] if rounds else 0)
                 live[name] = {"token": token, "cache": cache, "decode_s": decode_s}
             gc.collect()  # the prefill's activations, before the next model's prefill is measured

@@ -68,7 +68,7 @@ def test_bench_model_points_and_cache_size(model_dir):
     assert [(p["context"], p["batch"]) for p in points] == [(16, 1), (16, 3), (48, 1), (48, 3)]
     for p in points:
         assert p["status"] == "ok"
-        assert p["cache_bytes"] == kv_bytes(p["batch"], p["context"] + 1 + 3)  # the untimed first step, then 3 timed
+        assert p["cache_bytes"] == kv_bytes(p["batch"], p["context"] + 2 + 3)  # 2 untimed steps, then 3 timed
         assert p["prefill_s"] > 0 and p["decode_tok_s"] > 0 and p["peak_mem_bytes"] >= 0
         assert p["step_bytes"] == weight_bytes_per_step(model, p["batch"]) + p["cache_bytes"]
         assert p["bound_tok_s"] == pytest.approx(p["batch"] * p["bandwidth_bytes_s"] / p["step_bytes"])
@@ -87,13 +87,13 @@ def test_models_benched_together_take_turns_round_by_round(model_dir):
         model.register_forward_pre_hook(lambda m, args, kwargs, name=name: calls.append((name, args[0].shape[1])), with_kwargs=True)
     points = bench_models(models, contexts=[20], batch_sizes=[2], decode_tokens=4, progress=False)
     timed = calls[calls.index(("student", 20)) :]  # after the warm-up and cache sizing
-    first = [(name, n) for name in models for n in (20, 1, 1)]  # prefill, the untimed step, the first timed round
+    first = [(name, n) for name in models for n in (20, 1, 1, 1)]  # prefill, 2 untimed steps, the first timed round
     assert timed == first + [("student", 1), ("teacher", 1)] * 3
     for name in models:
         (point,) = points[name]
         assert point["model"] == name and point["status"] == "ok"
         assert point["decode_tok_s"] == pytest.approx(2 * 4 / point["decode_s"])
-        assert point["cache_bytes"] == kv_bytes(2, 25)
+        assert point["cache_bytes"] == kv_bytes(2, 26)
 
 
 def test_bench_loads_the_teacher_beside_the_student_only_where_it_fits(model_dir, monkeypatch):
