@@ -100,7 +100,9 @@ def test_bench_loads_the_teacher_beside_the_student_only_where_it_fits(model_dir
     import linearize.eval.bench as bench
 
     report = bench.run_bench(model_dir, teacher=str(model_dir), contexts=[16], batch_sizes=[1], decode_tokens=2, progress=False)
-    assert report["schedule"] == "interleaved"
+    assert report["schedule"] == "interleaved" and report["student_decoding"] == "eager"
+    with pytest.raises(ValueError, match="convert it again, or bench without --compile"):  # a model with no compiled path
+        bench.run_bench(model_dir, teacher=str(model_dir), contexts=[16], batch_sizes=[1], compile_student=True, progress=False)
     weights = weight_bytes_per_step(LlamaForCausalLM.from_pretrained(model_dir), 1)
     monkeypatch.setattr(bench, "_free_bytes", lambda device: int(1.5 * weights))  # the caches fit, a second model not
     report = bench.run_bench(model_dir, teacher=str(model_dir), contexts=[16], batch_sizes=[1], decode_tokens=2, progress=False)
