@@ -60,7 +60,10 @@ def _fixed_tiles() -> bool:
     """Launch fixed tiles unless LINEARIZE_AUTOTUNE=1 was set before the kernels were imported, and always
     under the interpreter (no driver to time with). Fixed tiles compile once per shape; the autotuner
     compiles every config, and on an H200 one of its configs crashed (README, "GPU check")."""
-    return _interpreting() or os.environ.get("LINEARIZE_AUTOTUNE", "0").strip() != "1"
+    value = os.environ.get("LINEARIZE_AUTOTUNE", "0").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"LINEARIZE_AUTOTUNE={value!r}: set it to 1 (autotune) or 0 (fixed tiles, the default)")
+    return _interpreting() or value != "1"
 
 
 TILES = (32, 64, 128)  # the BK / BV tiles the autotuner tries (LINEARIZE_AUTOTUNE=1)

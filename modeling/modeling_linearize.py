@@ -440,13 +440,6 @@ def has_state(layer: LinearAttentionCacheLayerMixin | None) -> bool:
     return layer is not None and layer.has_previous_state[STATES["memory"]]
 
 
-def settled(layer: LinearAttentionCacheLayerMixin) -> bool:
-    """Whether a linear layer's next step makes no host sync (a compiled step's condition): it holds a
-    state, and its sinks, if it keeps any, are full (`linearize_last_sink` is known)."""
-    sinks_filling = layer.is_recurrent_states_initialized[STATES["sink_kv"]] and getattr(layer, "linearize_last_sink", None) is None
-    return has_state(layer) and not sinks_filling
-
-
 def transfer_mse(out: torch.Tensor, teacher: torch.Tensor, late_weight: float = 0.0) -> torch.Tensor:
     """Attention transfer's MSE over [B, T, hidden]; with `late_weight` w, position t of T weighs 1 + w * t / T.
 
@@ -1211,7 +1204,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         """The family's forward, with the hybrid cache, the padding mask for linear layers and per-layer attentions.
 
         A decoding step (one token, a cache, no gradient) runs the graph of `compile_decoding` once it
-        is asked for and the linear layers have `settled`; on CPU without it, the large weights are laid
+        is asked for and the linear layers have settled (`_settled`); on CPU without it, the large weights are laid
         out for `SplitGemvLinear` first.
         """
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -1296,9 +1289,18 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             self.cpu_decode_layout = False
 
     def _settled(self, cache: Cache) -> bool:
-        """Whether every linear layer's next step is free of host syncs: until then steps stay eager,
-        as a sync inside the compiled step would break its graph (and recompile it per layer)."""
-        return all(settled(layer) for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin))
+        """Whether every linear layer's next step is free of host syncs: each holds a state, and its sinks,
+        if it keeps any, are full (`linearize_last_sink` is known). Until then steps stay eager, as a sync
+        inside the compiled step would break its graph (and recompile it per layer)."""
+        return all(
+            has_state(layer)
+            and not (
+                layer.is_recurrent_states_initialized[STATES["sink_kv"]]
+                and getattr(layer, "linearize_last_sink", None) is None
+            )
+            for layer in cache.layers
+            if isinstance(layer, LinearAttentionCacheLayerMixin)
+        )
 
     def _check_cache(self, cache: Cache | None) -> None:
         if cache is None:

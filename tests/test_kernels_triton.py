@@ -205,6 +205,9 @@ def test_autotuner_searches_tiles_and_warps(monkeypatch: pytest.MonkeyPatch) -> 
     assert {c.num_warps for c in tuner.configs} == set(gla_triton.WARPS)
     monkeypatch.delenv("LINEARIZE_AUTOTUNE")
     assert gla_triton._tuned(gla_triton._fwd_state_kernel, ["K"], ("BK", "BV")) is gla_triton._fwd_state_kernel
+    monkeypatch.setenv("LINEARIZE_AUTOTUNE", "yes")
+    with pytest.raises(ValueError, match="set it to 1 .autotune. or 0"):
+        gla_triton._fixed_tiles()
     kept = gla_triton._fitting_tiles(tuner.configs, {}, K=64, V=20)
     assert {(c.kwargs["BK"], c.kwargs["BV"]) for c in kept} == {(32, 32), (64, 32)}, "no tile wider than it needs"
 
