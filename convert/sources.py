@@ -93,6 +93,11 @@ def _embedded_gguf(name: str) -> Path:
     return Path(found.origin).parent / filename
 
 
+# transformers swaps a model's layers for hub kernels on load when the `kernels` package is installed: that
+# fetches code from the hub at run time (and fails offline) and changes the teacher's math under distillation.
+EXACT_LAYERS = {"use_kernels": False}
+
+
 def _gguf_to_safetensors(gguf: Path) -> Path:
     """Dequantize a GGUF file once into an HF directory in the cache; later calls reuse it."""
     stat = gguf.stat()
@@ -102,7 +107,7 @@ def _gguf_to_safetensors(gguf: Path) -> Path:
         return target
     logger.info("dequantizing %s into %s (once)", gguf.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, **EXACT_LAYERS)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The weights are dequantized now; drop the GGUF quantizer so they serialize as plain safetensors.
     model.hf_quantizer = None
@@ -199,6 +204,8 @@ def load_model(
     location = materialize(resolve(spec))
     check_weights(location)
     placement = {} if device is None else {"device_map": {"": str(device)}}
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, trust_remote_code=trust_remote_code, **placement)
+    model = AutoModelForCausalLM.from_pretrained(
+        location, dtype=dtype, trust_remote_code=trust_remote_code, **placement, **EXACT_LAYERS
+    )
     tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
     return model, tokenizer, location

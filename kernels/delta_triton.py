@@ -165,7 +165,7 @@ def _delta_dstate_kernel(
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Reverse scan for one value block of the whole state: dhbuf[n] = dS_{n+1} (the state leaving chunk n),
+    """Reverse scan for one value block of the whole state: dhbuf[n + 1] = dS_{n+1} (the state leaving chunk n),
     dv' = dv'_local + (k e^(gc_last - gc)) dS_{n+1} (dvp), dS_n = e^gc_last dS_{n+1}
     + scale sum_group (q e^gc)^T do - W^T dv'; dh0 = dS_0."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -181,7 +181,7 @@ def _delta_dstate_kernel(
         ds += tl.load(dht + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
     for i in range(N):
         n = N - 1 - i
-        tl.store(dhbuf + (bh * N + n) * K * V + kv_offs, ds, mask=m_kv)
+        tl.store(dhbuf + (bh * (N + 1) + n + 1) * K * V + kv_offs, ds, mask=m_kv)
         rows = n * BT + tl.arange(0, BT)
         m_t = rows < T
         m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
@@ -382,7 +382,7 @@ def _backward(
         _dv_local, lambda t: (triton.cdiv(V, t["BV"]), N, B * H), A, do, dvl, T,
         tiles={"BV": _block(V)}, H=H, G=G, V=V, BT=BT, PREC32=prec32,
     )
-    dhbuf = torch.empty(B, H, N, K, V, device=q.device, dtype=torch.float32)
+    dhbuf = torch.empty(B, H, N + 1, K, V, device=q.device, dtype=torch.float32)  # slot 0 unused
     dvp = torch.empty_like(dvl)
     dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
     _launch(

@@ -19,12 +19,17 @@ in their sums: the in-chunk scores across sub-chunks, the in-chunk dq/dk, and A^
 One decay per head (g [B, H, T, 1]: RetNet, the key gate, Performer's stabilizer) is read once per
 token (channel stride 0), and its in-chunk scores are one masked dot per chunk, forward and backward.
 
-Launches: fixed tiles (BK = BV = 64 at most, Triton's default warps and stages), the configuration
-checked on an H200; LINEARIZE_AUTOTUNE=1 autotunes BK/BV and num_warps on CUDA instead (there it once
+Launches: fixed tiles (BK = BV = 64 at most; Triton's default warps and stages, 2 warps for the
+kernels on 16-row blocks), the configuration checked on an H200; LINEARIZE_AUTOTUNE=1 autotunes BK/BV and num_warps on CUDA instead (there it once
 hit an illegal memory access while tuning, see the README). Under TRITON_INTERPRET=1 everything runs
 on CPU tensors. Every launch runs under the inputs' device guard, so a layer on cuda:1 works while
 cuda:0 is current. States (per-chunk and final) are fp32 or, on
 request, bf16 (`state_dtype`); every sum accumulates in fp32.
+
+The scans over chunks (the states forward, their gradients backward) run in segments: every segment
+from a zero state in parallel, then a short carry of the true state across segments, then a pass adding
+it into the states inside them (decays are diagonal, so each is a [K] vector scaling): a chain of about
+2 sqrt(N) steps instead of N, which is what bounds the kernel's time when there are few heads.
 
 The log-decay gradient needs no sequence-long cumulative sum: dg_t is the sum over r >= t within
 the chunk of dL/dgc_r, and per key channel dL/dgc_r = sum_group q_r dq_r - k_r dk_r, plus, at the
@@ -36,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import math
 import os
 from collections.abc import Callable
 
@@ -149,16 +155,21 @@ def _chunk_cumsum_kernel(g, gc, T, K: tl.constexpr, BT: tl.constexpr, BK: tl.con
 
 @triton.jit
 def _fwd_state_kernel(
-    k, v, gc, h0, hbuf, ht, z0, zbuf, zt, T, N, NH, s_ht, s_zt,
+    k, v, gc, h0, hbuf, z0, zbuf, dbuf, tbuf, T, N, S,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr, HAS_H0: tl.constexpr, NORM: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Scan over chunks: store the state entering each chunk (hbuf[n]) and the final state (ht).
+    """First pass of the scan over chunks, one segment of S chunks per program: the states h_n (entering chunk
+    n; h_N the final one) of the segment's chunks as if it started from zero (segment 0 starts from h0).
 
-    With NORM the first value block also carries the normalizer z = sum of decayed keys ([K]: zbuf, zt).
+    With NORM the first value block does the same for the normalizer z = sum of decayed keys ([K]: zbuf).
+    The key blocks of the first value block also store the log-decay since the segment's start per state
+    (dbuf) and over the segment (tbuf); `_finish_scan` then makes every state the true one.
     """
-    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NV = tl.cdiv(V, BV)
+    i_k, i_v = i_kv // NV, i_kv % NV
     bh = i_bh.to(tl.int64)
     ck = i_k * BK + tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
@@ -167,15 +178,19 @@ def _fwd_state_kernel(
     kv_offs = ck[:, None] * V + cv[None, :]
     h = tl.zeros([BK, BV], dtype=tl.float32)
     z = tl.zeros([BK], dtype=tl.float32)
+    decay = tl.zeros([BK], dtype=tl.float32)
     norm = NORM and i_v == 0
-    if HAS_H0:
-        h += tl.load(h0 + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
+    slots = bh * (N + 1)
+    if i_s == 0:
+        if HAS_H0:
+            h += tl.load(h0 + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
+            if norm:
+                z += tl.load(z0 + bh * K + ck, mask=m_k, other=0.0).to(tl.float32)
+        tl.store(hbuf + slots * K * V + kv_offs, h.to(hbuf.dtype.element_ty), mask=m_kv)
         if norm:
-            z += tl.load(z0 + bh * K + ck, mask=m_k, other=0.0).to(tl.float32)
-    for n in range(N):
-        tl.store(hbuf + (bh * NH + n) * K * V + kv_offs, h.to(hbuf.dtype.element_ty), mask=m_kv)
-        if norm:
-            tl.store(zbuf + (bh * NH + n) * K + ck, z, mask=m_k)
+            tl.store(zbuf + slots * K + ck, z, mask=m_k)
+    n0 = i_s * S
+    for n in range(n0, tl.minimum(n0 + S, N)):
         rows = n * BT + tl.arange(0, BT)
         m_t = rows < T
         b_k = tl.load(k + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -188,11 +203,83 @@ def _fwd_state_kernel(
             h *= tl.exp(g_last)[:, None]
             z *= tl.exp(g_last)
             b_k *= tl.exp(g_last[None, :] - b_g)
+            decay += g_last
+            if i_v == 0:
+                tl.store(dbuf + (slots + n + 1) * K + ck, decay, mask=m_k)
         h = tl.dot(tl.trans(b_k.to(DT)), b_v.to(DT), h, input_precision=PREC)
-        z += tl.sum(b_k, axis=0)
-    tl.store(ht + bh * s_ht + kv_offs, h.to(ht.dtype.element_ty), mask=m_kv)
-    if norm:
-        tl.store(zt + bh * s_zt + ck, z, mask=m_k)
+        tl.store(hbuf + (slots + n + 1) * K * V + kv_offs, h.to(hbuf.dtype.element_ty), mask=m_kv)
+        if norm:
+            z += tl.sum(b_k, axis=0)
+            tl.store(zbuf + (slots + n + 1) * K + ck, z, mask=m_k)
+    if USE_G and i_v == 0:
+        tl.store(tbuf + (bh * tl.num_programs(1) + i_s) * K + ck, decay, mask=m_k)
+
+
+@triton.jit
+def _carry_kernel(
+    buf, tbuf, N, S, NS,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, REVERSE: tl.constexpr,
+):
+    """Second pass of a segmented scan (buf [B*H, N + 1, K, V]): segment by segment, in scan order, the state a
+    segment hands on (forward: the one after its last chunk; REVERSE: the one before its first) becomes the
+    true one, e^(segment's decay) times the one handed on before it plus the segment's own part."""
+    i_kv, i_bh = tl.program_id(0), tl.program_id(1)
+    NV = tl.cdiv(V, BV)
+    i_k, i_v = i_kv // NV, i_kv % NV
+    bh = i_bh.to(tl.int64)
+    ck = i_k * BK + tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    m_k = ck < K
+    m_kv = m_k[:, None] & (cv < V)[None, :]
+    offs = bh * (N + 1) * K * V + ck[:, None] * V + cv[None, :]
+    if REVERSE:
+        first = (NS - 1) * S
+    else:
+        first = tl.minimum(S, N)
+    c = tl.load(buf + offs + first * K * V, mask=m_kv, other=0.0).to(tl.float32)
+    for i in range(1, NS):
+        if REVERSE:
+            s = NS - 1 - i
+            slot = s * S
+        else:
+            s = i
+            slot = tl.minimum(s * S + S, N)
+        if USE_G:
+            c *= tl.exp(tl.load(tbuf + (bh * NS + s) * K + ck, mask=m_k, other=0.0))[:, None]
+        c += tl.load(buf + offs + slot * K * V, mask=m_kv, other=0.0).to(tl.float32)
+        tl.store(buf + offs + slot * K * V, c.to(buf.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
+def _fixup_kernel(
+    buf, dbuf, N, S, NS,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, REVERSE: tl.constexpr,
+):
+    """Third pass of a segmented scan: a state inside a segment adds the true state at the segment's start (in
+    scan order) times e^(log-decay between the two, dbuf)."""
+    i_kv, n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s = n // S
+    if REVERSE:
+        edge = s == NS - 1
+        anchor = s * S + S
+    else:
+        edge = s == 0
+        anchor = s * S
+    if (n % S == 0) | (n == N) | edge:
+        return
+    NV = tl.cdiv(V, BV)
+    i_k, i_v = i_kv // NV, i_kv % NV
+    bh = i_bh.to(tl.int64)
+    ck = i_k * BK + tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    m_k = ck < K
+    m_kv = m_k[:, None] & (cv < V)[None, :]
+    offs = bh * (N + 1) * K * V + ck[:, None] * V + cv[None, :]
+    x = tl.load(buf + offs + anchor * K * V, mask=m_kv, other=0.0).to(tl.float32)
+    if USE_G:
+        x *= tl.exp(tl.load(dbuf + (bh * (N + 1) + n) * K + ck, mask=m_k, other=0.0))[:, None]
+    x += tl.load(buf + offs + n * K * V, mask=m_kv, other=0.0).to(tl.float32)
+    tl.store(buf + offs + n * K * V, x.to(buf.dtype.element_ty), mask=m_kv)
 
 
 @triton.jit
@@ -203,9 +290,13 @@ def _intra_scores_kernel(
     DT: tl.constexpr, PREC: tl.constexpr,
     PREC32: tl.constexpr,
 ):
-    """One BC x BC block of the causal in-chunk score matrix A[i, j] = scale q_i.(k_j exp(gc_i - gc_j))."""
+    """One BC x BC block on or below the diagonal of the in-chunk score matrix A[i, j] = scale q_i.(k_j exp(gc_i
+    - gc_j)), the NC (NC + 1) / 2 of them numbered row by row; a diagonal block also zeroes the rest of its rows."""
     i_n, i_c, i_bhq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_i, i_j = i_c // NC, i_c % NC
+    i_i = i_c * 0
+    for r in tl.static_range(1, NC):
+        i_i += (i_c >= r * (r + 1) // 2).to(i_i.dtype)
+    i_j = i_c - i_i * (i_i + 1) // 2
     bhq = i_bhq.to(tl.int64)
     bh = _kv_head(bhq, H, G)
     row0 = i_n * BT + i_i * BC
@@ -230,7 +321,7 @@ def _intra_scores_kernel(
                 b_q *= _masked_exp(g_q - g_ref[None, :], m_r[:, None])
                 b_k *= tl.exp(g_ref[None, :] - g_k)
             acc = tl.dot(b_q, tl.trans(b_k), acc, input_precision=PREC32)
-    elif i_i == i_j:
+    else:
         for i_k in range(tl.cdiv(K, BK)):
             ck = i_k * BK + tl.arange(0, BK)
             m_k = ck < K
@@ -249,6 +340,9 @@ def _intra_scores_kernel(
                 else:
                     s = tl.where(sel, tl.sum(b_q * b_kr[None, :], axis=1), 0.0)
                 acc += tl.where(loc[None, :] == c, s[:, None], 0.0)
+        later = tl.arange(0, BT)
+        zeros = tl.zeros([BC, BT], dtype=tl.float32)
+        tl.store(A + bhq * T * BT + rows[:, None] * BT + later[None, :], zeros, mask=m_r[:, None] & (later >= row0 - i_n * BT + BC)[None, :])
     tl.store(A + bhq * T * BT + rows[:, None] * BT + (i_j * BC + loc)[None, :], acc * scale, mask=m_r[:, None])
 
 
@@ -300,15 +394,18 @@ def _fwd_output_kernel(
 
 @triton.jit
 def _bwd_dstate_kernel(
-    q, do, dden, gc, dht, dh0, dhbuf, dzt, dz0, dzbuf, scale, T, N,
+    q, do, dden, gc, dht, dhbuf, dzt, dzbuf, dbuf, tbuf, scale, T, N, S,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
-    HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr, NORM: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_DHT: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Reverse scan: dhbuf[n] = dL/dh_{n+1} (the state leaving chunk n), dh0 = dL/dh_0; with NORM the
-    first value block does the same for the normalizer (dzbuf, dz0) from the normalizer's gradient dden."""
-    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """First pass of the reverse scan, one segment of S chunks per program, from its last chunk back:
+    dhbuf[n] = dL/dh_n as if the gradient entering the segment from the right were zero (the last segment
+    starts from dht, stored at dhbuf[N]); dbuf/tbuf as in `_fwd_state_kernel`, the decay counted back to
+    the segment's end. With NORM the first value block does the same for the normalizer (dzbuf) from dden."""
+    i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NV = tl.cdiv(V, BV)
+    i_k, i_v = i_kv // NV, i_kv % NV
     bh = i_bh.to(tl.int64)
     b, h = bh // H, bh % H
     ck = i_k * BK + tl.arange(0, BK)
@@ -318,16 +415,21 @@ def _bwd_dstate_kernel(
     kv_offs = ck[:, None] * V + cv[None, :]
     dh = tl.zeros([BK, BV], dtype=tl.float32)
     dz = tl.zeros([BK], dtype=tl.float32)
+    decay = tl.zeros([BK], dtype=tl.float32)
     norm = NORM and i_v == 0
-    if HAS_DHT:
-        dh += tl.load(dht + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
+    slots = bh * (N + 1)
+    if i_s == tl.num_programs(1) - 1:
+        if HAS_DHT:
+            dh += tl.load(dht + bh * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
+            if norm:
+                dz += tl.load(dzt + bh * K + ck, mask=m_k, other=0.0).to(tl.float32)
+        tl.store(dhbuf + (slots + N) * K * V + kv_offs, dh, mask=m_kv)
         if norm:
-            dz += tl.load(dzt + bh * K + ck, mask=m_k, other=0.0).to(tl.float32)
-    for i in range(N):
-        n = N - 1 - i
-        tl.store(dhbuf + (bh * N + n) * K * V + kv_offs, dh, mask=m_kv)
-        if norm:
-            tl.store(dzbuf + (bh * N + n) * K + ck, dz, mask=m_k)
+            tl.store(dzbuf + (slots + N) * K + ck, dz, mask=m_k)
+    n0 = i_s * S
+    n1 = tl.minimum(n0 + S, N)
+    for i in range(n1 - n0):
+        n = n1 - 1 - i
         rows = n * BT + tl.arange(0, BT)
         m_t = rows < T
         if USE_G:
@@ -336,6 +438,9 @@ def _bwd_dstate_kernel(
             b_g = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_t[:, None] & m_k[None, :], other=0.0)
             dh *= tl.exp(g_last)[:, None]
             dz *= tl.exp(g_last)
+            decay += g_last
+            if i_v == 0:
+                tl.store(dbuf + (slots + n) * K + ck, decay, mask=m_k)
         for i_g in range(G):
             hq = b * H * G + h * G + i_g
             b_q = tl.load(q + hq * T * K + rows[:, None] * K + ck[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -346,10 +451,11 @@ def _bwd_dstate_kernel(
             dh = tl.dot(tl.trans(b_q.to(DT)), b_do.to(DT), dh, input_precision=PREC)
             if norm:
                 dz += tl.sum(b_q * tl.load(dden + hq * T + rows, mask=m_t, other=0.0)[:, None], axis=0)
-    if HAS_DH0:
-        tl.store(dh0 + bh * K * V + kv_offs, dh, mask=m_kv)
+        tl.store(dhbuf + (slots + n) * K * V + kv_offs, dh, mask=m_kv)
         if norm:
-            tl.store(dz0 + bh * K + ck, dz, mask=m_k)
+            tl.store(dzbuf + (slots + n) * K + ck, dz, mask=m_k)
+    if USE_G and i_v == 0:
+        tl.store(tbuf + (bh * tl.num_programs(1) + i_s) * K + ck, decay, mask=m_k)
 
 
 @triton.jit
@@ -399,7 +505,7 @@ def _bwd_dv_kernel(
             g_last = tl.load(gc + bh * T * GK + last * GK + ck * GS, mask=m_k, other=0.0)
             b_g = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_t[:, None] & m_k[None, :], other=0.0)
             b_k *= tl.exp(g_last[None, :] - b_g)
-        b_dh = tl.load(dhbuf + (bh * N + i_n) * K * V + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dh = tl.load(dhbuf + (bh * (N + 1) + i_n + 1) * K * V + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         acc = tl.dot(b_k.to(DT), b_dh.to(DT), acc, input_precision=PREC)
     for i_g in range(G):
         hq = b * H * G + h * G + i_g
@@ -523,13 +629,13 @@ def _bwd_inter_kernel(
         m_kv = m_k[:, None] & m_v[None, :]
         kv_offs = ck[:, None] * V + cv[None, :]
         b_v = tl.load(v + bh * T * V + rows[:, None] * V + cv[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_dh = tl.load(dhbuf + (bh * N + i_n) * K * V + kv_offs, mask=m_kv, other=0.0)
+        b_dh = tl.load(dhbuf + (bh * (N + 1) + i_n + 1) * K * V + kv_offs, mask=m_kv, other=0.0)
         dk_state = tl.dot(b_v.to(DT), tl.trans(b_dh.to(DT)), dk_state, input_precision=PREC)
         if USE_G:
             b_hn = tl.load(hbuf + (bh * (N + 1) + i_n + 1) * K * V + kv_offs, mask=m_kv, other=0.0).to(tl.float32)
             h_dh += tl.sum(b_hn * b_dh, axis=1)
     if NORM:
-        b_dz = tl.load(dzbuf + (bh * N + i_n) * K + ck, mask=m_k, other=0.0)
+        b_dz = tl.load(dzbuf + (bh * (N + 1) + i_n + 1) * K + ck, mask=m_k, other=0.0)
         dk_state += b_dz[None, :]
         if USE_G:
             h_dh += tl.load(zbuf + (bh * (N + 1) + i_n + 1) * K + ck, mask=m_k, other=0.0) * b_dz
@@ -676,10 +782,15 @@ def _block(dim: int, cap: int = 64) -> int:
     return min(cap, max(16, triton.next_power_of_2(dim)))
 
 
-def _launch(kernel, grid, *args, tiles: dict[str, int], **meta) -> None:
-    """Launch over `grid(tiles)`: fixed tiles (`_fixed_tiles`), else the autotuner's choice."""
+BLOCK_WARPS = 2  # warps per program of the kernels on 16-row blocks (in-chunk scores and their gradients): on an
+# H200 2 beat 4 and 1 at T = 16K (README, "GPU check")
+
+
+def _launch(kernel, grid, *args, tiles: dict[str, int], warps: int | None = None, **meta) -> None:
+    """Launch over `grid(tiles)`: fixed tiles (`_fixed_tiles`) and `warps` (Triton's default if None), else the
+    autotuner's choice."""
     if _fixed_tiles():
-        kernel[grid(tiles)](*args, **tiles, **meta)
+        kernel[grid(tiles)](*args, **tiles, **meta, **({} if warps is None else {"num_warps": warps}))
     else:
         kernel[grid](*args, **meta)
 
@@ -728,32 +839,77 @@ def _local_cumsum(g: torch.Tensor, BT: int) -> torch.Tensor:
     return gc
 
 
+SCAN_PROGRAMS = 1024  # programs a state scan aims for: an H200 has 132 multiprocessors, each runs several
+
+
+def _segment_len(chunks: int, programs: int) -> int:
+    """Chunks per segment of a state scan that has `programs` programs per segment.
+
+    One program per head and tile walking every chunk in turn is a latency-bound chain when heads are few
+    (16 programs for B = 2, 8 heads at K = V = 64). Segments scanned in parallel, then a carry across them
+    (`_finish_scan`), cut the chain to about 2 sqrt(chunks) steps for one more pass over the states.
+    """
+    segments = max(1, min(math.isqrt(chunks), -(-SCAN_PROGRAMS // programs)))
+    return -(-chunks // segments)
+
+
+def _scan_plan(
+    x: torch.Tensor, gc: torch.Tensor | None, N: int, tiles: int
+) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """(S, NS, dbuf, tbuf): the segment length and count, the per-state and per-segment log-decay buffers
+    (fp32 [B, H, N + 1, K] and [B, H, NS, K]; placeholders without a decay)."""
+    B, H, _, K = x.shape
+    S = _segment_len(N, B * H * tiles)
+    NS = triton.cdiv(N, S)
+    if gc is None:
+        return S, NS, x, x
+    dbuf = torch.empty(B, H, N + 1, K, device=x.device, dtype=torch.float32)
+    tbuf = torch.empty(B, H, NS, K, device=x.device, dtype=torch.float32)
+    return S, NS, dbuf, tbuf
+
+
+def _finish_scan(
+    bufs: tuple[torch.Tensor | None, ...], gc: torch.Tensor | None, dbuf: torch.Tensor, tbuf: torch.Tensor,
+    S: int, NS: int, reverse: bool,
+) -> None:
+    """Second and third passes of a segmented scan, in place on each buffer [B, H, N + 1, K(, V)]: carry the
+    true state across segments (`_carry_kernel`), then into every state inside them (`_fixup_kernel`)."""
+    if NS == 1:
+        return
+    for buf in bufs:
+        if buf is None:
+            continue
+        B, H, slots, K = buf.shape[:4]
+        V = buf.shape[4] if buf.dim() == 5 else 1
+        BK, BV = _block(K), _block(V)
+        meta = {"K": K, "V": V, "BK": BK, "BV": BV, "USE_G": gc is not None, "REVERSE": reverse}
+        tiles = triton.cdiv(K, BK) * triton.cdiv(V, BV)
+        _carry_kernel[(tiles, B * H)](buf, tbuf, slots - 1, S, NS, **meta)
+        _fixup_kernel[(tiles, slots, B * H)](buf, dbuf, slots - 1, S, NS, **meta)
+
+
 def _states(
     k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, h0: torch.Tensor | None, z0: torch.Tensor | None,
-    BT: int, keep_final: bool, norm: bool, state_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """States entering every chunk and the final state, inside the buffer (backward) or separate (forward);
-    with `norm` the same for the normalizer z [K] (fp32), else None."""
+    BT: int, norm: bool, state_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hbuf [B, H, N + 1, K, V]: the state entering every chunk, then the final one; with `norm` the same for
+    the normalizer z (zbuf [B, H, N + 1, K], fp32), else None."""
     B, H, T, K = k.shape
     V = v.shape[-1]
     N = triton.cdiv(T, BT)
-    NH = N + 1 if keep_final else N
-    hbuf = torch.empty(B, H, NH, K, V, device=k.device, dtype=state_dtype)
-    ht = hbuf[:, :, N] if keep_final else torch.empty(B, H, K, V, device=k.device, dtype=state_dtype)
-    zbuf = zt = None
-    if norm:
-        zbuf = torch.empty(B, H, NH, K, device=k.device, dtype=torch.float32)
-        zt = zbuf[:, :, N] if keep_final else torch.empty(B, H, K, device=k.device, dtype=torch.float32)
+    hbuf = torch.empty(B, H, N + 1, K, V, device=k.device, dtype=state_dtype)
+    zbuf = torch.empty(B, H, N + 1, K, device=k.device, dtype=torch.float32) if norm else None
+    tiles = {"BK": _block(K), "BV": _block(V)}
+    S, NS, dbuf, tbuf = _scan_plan(k, gc, N, triton.cdiv(K, tiles["BK"]) * triton.cdiv(V, tiles["BV"]))
     _launch(
-        _fwd_state, lambda t: (triton.cdiv(K, t["BK"]), triton.cdiv(V, t["BV"]), B * H),
-        k, v, k if gc is None else gc, k if h0 is None else h0, hbuf, ht,
-        k if z0 is None else z0, hbuf if zbuf is None else zbuf, ht if zt is None else zt,
-        T, N, NH, NH * K * V if keep_final else K * V, NH * K if keep_final else K,
-        tiles={"BK": _block(K), "BV": _block(V)},
+        _fwd_state, lambda t: (triton.cdiv(K, t["BK"]) * triton.cdiv(V, t["BV"]), NS, B * H),
+        k, v, k if gc is None else gc, k if h0 is None else h0, hbuf,
+        k if z0 is None else z0, hbuf if zbuf is None else zbuf, dbuf, tbuf, T, N, S, tiles=tiles,
         K=K, V=V, BT=BT, USE_G=gc is not None, HAS_H0=h0 is not None, NORM=norm, **_decay_strides(gc),
         **_dot_config(k.dtype),
     )
-    return hbuf, ht, zbuf, zt
+    _finish_scan((hbuf, zbuf), gc, dbuf, tbuf, S, NS, reverse=False)
+    return hbuf, zbuf
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor | None, scale: float, BT: int) -> torch.Tensor:
@@ -768,8 +924,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor | None, scale: fl
         return A
     NC = BT // SUB_CHUNK
     _launch(
-        _intra_scores, lambda t: (triton.cdiv(T, BT), NC * NC, B * HQ), q, k, k if gc is None else gc, A, scale, T,
-        tiles={"BK": _block(K)}, BC=SUB_CHUNK, NC=NC, USE_G=gc is not None, **cfg, **_decay_strides(gc),
+        _intra_scores, lambda t: (triton.cdiv(T, BT), NC * (NC + 1) // 2, B * HQ), q, k, k if gc is None else gc, A, scale, T,
+        tiles={"BK": _block(K)}, warps=BLOCK_WARPS, BC=SUB_CHUNK, NC=NC, USE_G=gc is not None, **cfg, **_decay_strides(gc),
         **_dot_config(q.dtype), PREC32=_kept_precision(q.dtype),
     )
     return A
@@ -794,11 +950,12 @@ def _output(
 
 
 def _backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor | None,
-    z0: torch.Tensor | None, do: torch.Tensor, dden: torch.Tensor | None, dht: torch.Tensor | None,
-    dzt: torch.Tensor | None, scale: float, BT: int, state_dtype: torch.dtype, norm: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, A: torch.Tensor,
+    h0: torch.Tensor | None, z0: torch.Tensor | None, do: torch.Tensor, dden: torch.Tensor | None,
+    dht: torch.Tensor | None, dzt: torch.Tensor | None, scale: float, BT: int, state_dtype: torch.dtype, norm: bool,
 ) -> tuple[torch.Tensor, ...]:
-    """Recomputes the chunk states and scores (nothing but the inputs is kept from the forward).
+    """Recomputes the chunk states (the forward keeps the inputs, the local cumulative decay gc and the in-chunk
+    scores A, as fla keeps them: the states would cost N + 1 [K, V] blocks per head).
 
     Returns dq, dk, dv, dg, dh0 and dz0 (the last ones None where there is no initial state or normalizer).
     """
@@ -806,25 +963,25 @@ def _backward(
     H, V = k.shape[1], v.shape[-1]
     G, N = HQ // H, triton.cdiv(T, BT)
     tiles = {"BK": _block(K), "BV": _block(V)}
-    gc = None if g is None else _local_cumsum(g, BT)
     gp = k if gc is None else gc
     use_g = gc is not None
     cfg = {"H": H, "G": G, "BT": BT, **_dot_config(q.dtype)}
     decay = {"USE_G": use_g, **_decay_strides(gc)}
-    hbuf, _, zbuf, _ = _states(k, v, gc, h0, z0, BT, keep_final=True, norm=norm, state_dtype=state_dtype)
-    A = _scores(q, k, gc, scale, BT)
+    hbuf, zbuf = _states(k, v, gc, h0, z0, BT, norm=norm, state_dtype=state_dtype)
 
-    dhbuf = torch.empty(B, H, N, K, V, device=q.device, dtype=torch.float32)
-    dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
-    dzbuf = torch.empty(B, H, N, K, device=q.device, dtype=torch.float32) if norm else None
-    dz0 = torch.empty(B, H, K, device=q.device, dtype=torch.float32) if norm and h0 is not None else None
+    dhbuf = torch.empty(B, H, N + 1, K, V, device=q.device, dtype=torch.float32)
+    dzbuf = torch.empty(B, H, N + 1, K, device=q.device, dtype=torch.float32) if norm else None
     dden = do if dden is None else dden  # (a placeholder pointer without the normalizer)
+    S, NS, dbuf, tbuf = _scan_plan(k, gc, N, triton.cdiv(K, tiles["BK"]) * triton.cdiv(V, tiles["BV"]))
     _launch(
-        _bwd_dstate, lambda t: (triton.cdiv(K, t["BK"]), triton.cdiv(V, t["BV"]), B * H),
-        q, do, dden, gp, k if dht is None else dht, dhbuf if dh0 is None else dh0, dhbuf,
-        k if dzt is None else dzt, dhbuf if dz0 is None else dz0, dhbuf if dzbuf is None else dzbuf, scale, T, N,
-        tiles=tiles, K=K, V=V, HAS_DHT=dht is not None, HAS_DH0=dh0 is not None, NORM=norm, **decay, **cfg,
+        _bwd_dstate, lambda t: (triton.cdiv(K, t["BK"]) * triton.cdiv(V, t["BV"]), NS, B * H),
+        q, do, dden, gp, k if dht is None else dht, dhbuf, k if dzt is None else dzt,
+        dhbuf if dzbuf is None else dzbuf, dbuf, tbuf, scale, T, N, S,
+        tiles=tiles, K=K, V=V, HAS_DHT=dht is not None, NORM=norm, **decay, **cfg,
     )
+    _finish_scan((dhbuf, dzbuf), gc, dbuf, tbuf, S, NS, reverse=True)
+    dh0 = dhbuf[:, :, 0].clone() if h0 is not None else None
+    dz0 = dzbuf[:, :, 0].clone() if norm and h0 is not None else None
     dv = torch.empty_like(v)
     _launch(
         _bwd_dv, lambda t: (triton.cdiv(V, t["BV"]), N, B * H), k, gp, A, do, dhbuf, dv, T, N, tiles=tiles,
@@ -841,8 +998,8 @@ def _score_and_state_grads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk (in dk_dtype, else k's) and dg through o = scale (q e^gc) h_n + A v and h_{n+1} = e^gc_last h_n
     + (k e^(gc_last - gc))^T v, v held fixed: all of GLA's backward but dv and dh0, and the part of the delta
-    rule's that runs on v' for v. hbuf holds the N + 1 states, dhbuf[n] the gradient of the state leaving
-    chunk n; zbuf, dden and dzbuf are the normalizer's (None without). dg is per channel, or [B, H, T, 1]
+    rule's that runs on v' for v. hbuf holds the N + 1 states h_n, dhbuf their gradients (dhbuf[n + 1] that
+    of the state leaving chunk n); zbuf, dden and dzbuf are the normalizer's (None without). dg is per channel, or [B, H, T, 1]
     for one decay per head."""
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
@@ -866,7 +1023,8 @@ def _score_and_state_grads(
     else:
         _launch(
             _bwd_intra, lambda t: (triton.cdiv(K, t["BK"]), N * NC, B * H), q, k, gp, dA, dqi, dki, scale, T,
-            tiles={"BK": tiles["BK"]}, K=K, BC=SUB_CHUNK, NC=NC, **decay, **cfg, PREC32=_kept_precision(q.dtype),
+            tiles={"BK": tiles["BK"]}, warps=BLOCK_WARPS, K=K, BC=SUB_CHUNK, NC=NC, **decay, **cfg,
+            PREC32=_kept_precision(q.dtype),
         )
     dq = torch.empty_like(q)
     dk = torch.empty(k.shape, device=k.device, dtype=dk_dtype or k.dtype)
@@ -889,7 +1047,7 @@ def _split_normalizer(x: torch.Tensor | None, norm: bool) -> tuple[torch.Tensor 
 
 
 class _ChunkGLA(torch.autograd.Function):
-    """Chunked GLA with Triton forward and backward; saves only the inputs.
+    """Chunked GLA with Triton forward and backward; saves the inputs, gc and the in-chunk scores A.
 
     With `norm`, the normalizer is a [K] vector beside the state: the output gains the column q.z and
     the state (in and out) the column z, the layout `ops.with_normalizer` gives the PyTorch forms.
@@ -899,23 +1057,25 @@ class _ChunkGLA(torch.autograd.Function):
     def forward(ctx, q, k, v, g, scale, initial_state, BT, state_dtype, norm):
         h0, z0 = _split_normalizer(initial_state, norm)
         gc = None if g is None else _local_cumsum(g, BT)
-        hbuf, ht, zbuf, zt = _states(k, v, gc, h0, z0, BT, keep_final=False, norm=norm, state_dtype=state_dtype)
+        hbuf, zbuf = _states(k, v, gc, h0, z0, BT, norm=norm, state_dtype=state_dtype)
         A = _scores(q, k, gc, scale, BT)
         o = _output(q, v, gc, hbuf, zbuf, A, scale, BT)
-        ctx.save_for_backward(q, k, v, g, initial_state)
+        ht = hbuf[:, :, -1].clone()
+        zt = None if zbuf is None else zbuf[:, :, -1]
+        ctx.save_for_backward(q, k, v, g, gc, A, initial_state)
         ctx.scale, ctx.BT, ctx.state_dtype, ctx.norm = scale, BT, state_dtype, norm
         return o, ht if zt is None else torch.cat([ht, zt.unsqueeze(-1).to(ht.dtype)], dim=-1)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, initial_state = ctx.saved_tensors
+        q, k, v, g, gc, A, initial_state = ctx.saved_tensors
         norm = ctx.norm
         h0, z0 = _split_normalizer(initial_state, norm)
         do, dden = _split_normalizer(do, norm)
         dht, dzt = _split_normalizer(dht, norm)
         with _device_guard(q):
             dq, dk, dv, dg, dh0, dz0 = _backward(
-                q, k, v, g, h0, z0, do, dden, dht, dzt, ctx.scale, ctx.BT, ctx.state_dtype, norm
+                q, k, v, gc, A, h0, z0, do, dden, dht, dzt, ctx.scale, ctx.BT, ctx.state_dtype, norm
             )
         dg = None if dg is None else dg.to(g.dtype)
         if dh0 is not None:

@@ -62,7 +62,7 @@ FLA_GOAL_MIN_T, FLA_GOAL_RATIO = 4096, 1.0
 SDPA_GOAL_T, SDPA_GOAL_SPEEDUP = 16384, 2.0
 OURS, SDPA, FLA = "gla-chunk/triton", "sdpa-causal", "fla-chunk_gla"
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
-PARTS = ("checks", "prefill", "decode", "convert")
+PARTS = ("checks", "delta", "prefill", "decode", "convert")  # delta: the delta rule's checks
 
 
 @dataclass(frozen=True)
@@ -301,21 +301,24 @@ def check_decode(plan: Plan, K: int, V: int, device: torch.device, normalizer: b
     return [_row(kernel, name, 1, K, V, "channel", partial(run, dtype)) for name, dtype in CHECK_DTYPES.items()]
 
 
-def run_checks(plan: Plan, device: torch.device, budget: float | None = None) -> tuple[list[CheckRow], int]:
+def run_checks(
+    plan: Plan, device: torch.device, budget: float | None = None, delta: bool = True
+) -> tuple[list[CheckRow], int]:
     """Every shape of the plan with per-channel gates, per-head gates at the shortest T, and the decoding step;
-    the delta rule's chunked kernel at every K and V at the shortest T and at the widest K, V at every other T.
+    with `delta`, the delta rule's chunked kernel at every K and V at the shortest T and at the widest K, V at
+    every other T.
 
     With a `budget` in seconds no case starts once it is spent: returns the rows run and how many cases were
     skipped. Every kernel runs at the shortest T before any longer T, so a short budget loses length, not kernels."""
     shortest = min(plan.seq_lens)
     cases = [(T, K, V, "channel", False) for T in plan.seq_lens for K in plan.key_dims for V in plan.value_dims]
     cases += [(shortest, K, V, gate, normalizer) for K in plan.key_dims for V in plan.value_dims for gate, normalizer in (("head", False), ("channel", True))]
-    delta = [(shortest, K, V) for K in plan.key_dims for V in plan.value_dims]
-    delta += [(T, max(plan.key_dims), max(plan.value_dims)) for T in plan.seq_lens if T != shortest]
+    delta_cases = [(shortest, K, V) for K in plan.key_dims for V in plan.value_dims] if delta else []
+    delta_cases += [(T, max(plan.key_dims), max(plan.value_dims)) for T in plan.seq_lens if T != shortest and delta]
     # (longer than the shortest T, job), sorted so that every kernel runs at the shortest T before any longer T
     jobs = [(False, partial(check_decode, plan, K, V, device, normalizer)) for K in plan.key_dims for V in plan.value_dims for normalizer in (False, True)]
     jobs += [(T != shortest, partial(check_chunk, plan, T, K, V, gate, device, normalizer)) for T, K, V, gate, normalizer in cases]
-    jobs += [(T != shortest, partial(check_delta_chunk, plan, T, K, V, device)) for T, K, V in delta]
+    jobs += [(T != shortest, partial(check_delta_chunk, plan, T, K, V, device)) for T, K, V in delta_cases]
     jobs.sort(key=lambda job: job[0])
     rows: list[CheckRow] = []
     started, skipped = time.perf_counter(), 0
@@ -710,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         return report
 
     if "checks" not in args.skip:
-        checks, skipped_checks = timed_phase("checks", partial(run_checks, plan, device, args.check_budget), ([], 0))
+        checks, skipped_checks = timed_phase("checks", partial(run_checks, plan, device, args.check_budget, "delta" not in args.skip), ([], 0))
         report_so_far()
     if "prefill" not in args.skip:
         prefill = timed_phase("prefill timing", partial(time_prefill, plan, device), [])

@@ -90,3 +90,12 @@ def test_a_run_cut_to_its_lease_reports_what_it_skipped(tmp_path: Path, cli_env:
     assert report["prefill"] == [] and report["decode"] == [] and report["conversion"]["skipped"] == "--skip convert"
     assert report["setup"]["skipped_parts"] == ["prefill", "decode", "convert"] and not report["setup"]["autotune"]
     assert "cases skipped, the --check-budget spent" in proc.stdout
+
+
+def test_skipping_delta_leaves_out_the_delta_rule_checks_only(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    out = tmp_path / "gpu_check"
+    args = ["--quick", "--skip", "delta", "prefill", "decode", "convert", "--seq-lens", "32", "--key-dims", "16", "--out", str(out)]
+    proc = run_gpu_check(args, tmp_path, cli_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kernels = {c["kernel"] for c in json.loads((out / "gpu_check.json").read_text())["correctness"]}
+    assert kernels == {"chunk", "chunk/normalizer", "recurrent", "recurrent/normalizer"}

@@ -85,6 +85,56 @@ def test_chunk_matches_parallel(case: tuple) -> None:
     assert_all_close(got, want)
 
 
+SEGMENT_CASES = {
+    # B, HQ, H, T, K, V, decay ("channel", "head" or None), initial state, normalizer, chunks per segment
+    "channel-gqa-state-partial": (1, 4, 2, 75, 16, 20, "channel", True, False, 2),
+    "channel-one-chunk-each": (2, 2, 1, 64, 32, 16, "channel", False, False, 1),
+    "head-state": (1, 2, 1, 70, 16, 16, "head", True, False, 3),
+    "no-decay-state": (1, 2, 2, 50, 16, 16, None, True, False, 2),
+    "normalizer-channel-state": (1, 2, 1, 66, 16, 16, "channel", True, True, 2),
+}
+
+
+@pytest.mark.parametrize("case", SEGMENT_CASES.values(), ids=SEGMENT_CASES.keys())
+def test_segmented_scans_equal_the_parallel_form(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state scans split into segments (scanned apart, then carried across and fixed up) give the same
+    outputs, final state and gradients, h0 and dh0 included, as one scan would."""
+    B, HQ, H, T, K, V, decay, state, norm, per_segment = case
+    segments: list[int] = []
+
+    def segment_len(chunks: int, programs: int) -> int:
+        segments.append(-(-chunks // per_segment))
+        return per_segment
+
+    monkeypatch.setattr(gla_triton, "_segment_len", segment_len)
+    inputs = make_inputs(B, HQ, H, T, K, V, decay=decay == "channel", state=False)
+    gen = torch.Generator().manual_seed(6)
+    if decay == "head":
+        inputs["g"] = torch.nn.functional.logsigmoid(torch.randn(B, H, T, 1, generator=gen) + 1).requires_grad_()
+    if norm:
+        with torch.no_grad():
+            inputs["q"].copy_(torch.nn.functional.elu(inputs["q"]) + 1)
+            inputs["k"].copy_(torch.nn.functional.elu(inputs["k"]) + 1)
+    if state:
+        inputs["initial_state"] = (torch.rand(B, H, K, V + norm, generator=gen) * 0.5).requires_grad_()
+
+    def reference(q, k, v, g, scale, initial_state):
+        return gla_parallel(q, k, ops.with_normalizer(v) if norm else v, g, scale, initial_state)
+
+    want = outputs_and_grads(reference, inputs)
+    got = outputs_and_grads(partial(chunk_gla_triton, chunk_size=16, normalizer=norm), inputs)
+    assert min(segments) > 1, "the scans ran in one segment"
+    assert_all_close(got, want, rtol=1e-5, atol=1e-4 if norm else 1e-5)
+
+
+def test_segments_grow_with_few_heads_and_stay_within_the_square_root() -> None:
+    """Few heads: about sqrt(chunks) segments; many heads: one segment, the plain scan."""
+    assert gla_triton._segment_len(256, 16) == 16
+    assert gla_triton._segment_len(256, 4096) == 256
+    assert gla_triton._segment_len(1, 1) == 1
+    assert all(1 <= gla_triton._segment_len(n, p) <= n for n in range(1, 70) for p in (1, 16, 100, 1000))
+
+
 def test_chunk_needs_no_decay_clamp() -> None:
     """Log-decays far below MIN_LOG_DECAY (the PyTorch chunked form's limit) stay finite and exact here."""
     inputs = make_inputs(1, 2, 1, 48, 16, 16, decay=True, state=True)

@@ -325,3 +325,24 @@ def test_dry_run_from_the_cli_loads_and_writes_nothing(linearize_main, tmp_path,
     assert "estimated peak memory, finetune" in out and "estimated time, transfer" in out
     assert "name: llama-3.1-8b-gla" in out  # the effective recipe, printed as YAML
     assert list(tmp_path.iterdir()) == []
+
+
+def test_teachers_load_with_their_own_layers(tmp_path, monkeypatch):
+    """Hub kernels stay off at load: with `kernels` installed transformers would fetch layers at run time."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from linearize.convert import sources
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    seen = {}
+
+    def from_pretrained(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(RuntimeError, match="loaded"):
+        sources.load_model(str(tmp_path))
+    assert seen["use_kernels"] is False
