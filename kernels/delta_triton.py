@@ -34,6 +34,7 @@ try:  # in a try block, which transformers' remote-code import check skips: expo
 
     from .gla_triton import (
         _block,
+        _cdiv,
         _chunk_dot,
         _chunk_len,
         _device_guard,
@@ -44,6 +45,7 @@ try:  # in a try block, which transformers' remote-code import check skips: expo
         _local_cumsum,
         _masked_exp,
         _output,
+        _pow2,
         _score_and_state_grads,
         _scores,
         _tuned,
@@ -298,7 +300,7 @@ def _ut_bwd_kernel(
 def _state_tiles(configs: list, named_args: dict, **kwargs) -> list:
     """`_fitting_tiles`, and no value tile that makes a scan's whole-K state wider than STATE_TILE elements."""
     kept = _fitting_tiles(configs, named_args, **kwargs)
-    K = max(16, triton.next_power_of_2({**named_args, **kwargs}["K"]))
+    K = max(16, _pow2({**named_args, **kwargs}["K"]))
     return [c for c in kept if K * c.kwargs["BV"] <= STATE_TILE] or kept[:1]
 
 
@@ -311,7 +313,7 @@ _ut_bwd = _tuned(_ut_bwd_kernel, ["BT", "K", "V", "USE_G"], ("BK", "BV"))
 
 def _full_k(K: int) -> int:
     """The scans' key tile: all of K in one power-of-two block."""
-    return max(16, triton.next_power_of_2(K))
+    return max(16, _pow2(K))
 
 
 def _ut_transform(
@@ -324,7 +326,7 @@ def _ut_transform(
     W = torch.empty(B, H, T, K, device=k.device, dtype=torch.float32)
     U = torch.empty(B, H, T, V, device=k.device, dtype=torch.float32)
     _launch(
-        _ut_fwd, lambda t: (triton.cdiv(T, BT), B * H), k, v, beta, k if gc is None else gc, Ai, W, U, T,
+        _ut_fwd, lambda t: (_cdiv(T, BT), B * H), k, v, beta, k if gc is None else gc, Ai, W, U, T,
         tiles={"BK": _block(K), "BV": _block(V)}, K=K, V=V, BT=BT, USE_G=gc is not None,
         PREC32=_kept_precision(k.dtype),
     )
@@ -339,13 +341,13 @@ def _states(
     buffer's last entry (the backward reads N + 1 states), else a tensor of its own."""
     B, H, T, K = k.shape
     V = U.shape[-1]
-    N = triton.cdiv(T, BT)
+    N = _cdiv(T, BT)
     NH = N + 1 if keep_final else N
     hbuf = torch.empty(B, H, NH, K, V, device=k.device, dtype=torch.float32)
     ht = hbuf[:, :, N] if keep_final else torch.empty(B, H, K, V, device=k.device, dtype=torch.float32)
     vp = torch.empty_like(U)
     _launch(
-        _delta_state, lambda t: (triton.cdiv(V, t["BV"]), B * H),
+        _delta_state, lambda t: (_cdiv(V, t["BV"]), B * H),
         k, W, U, k if gc is None else gc, k if h0 is None else h0, hbuf, ht, vp, T, N, NH,
         NH * K * V if keep_final else K * V, tiles={"BV": _block(V)},
         K=K, V=V, BT=BT, BK=_full_k(K), USE_G=gc is not None, HAS_H0=h0 is not None, **_dot_config(k.dtype),
@@ -368,7 +370,7 @@ def _backward(
     """
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
-    G, N = HQ // H, triton.cdiv(T, BT)
+    G, N = HQ // H, _cdiv(T, BT)
     gc = _per_head_cumsum(g, BT)
     gp = k if gc is None else gc
     Ai, W, U = _ut_transform(k, v, beta, gc, BT)
@@ -379,14 +381,14 @@ def _backward(
 
     dvl = torch.empty(B, H, T, V, device=q.device, dtype=torch.float32)
     _launch(
-        _dv_local, lambda t: (triton.cdiv(V, t["BV"]), N, B * H), A, do, dvl, T,
+        _dv_local, lambda t: (_cdiv(V, t["BV"]), N, B * H), A, do, dvl, T,
         tiles={"BV": _block(V)}, H=H, G=G, V=V, BT=BT, PREC32=prec32,
     )
     dhbuf = torch.empty(B, H, N + 1, K, V, device=q.device, dtype=torch.float32)  # slot 0 unused
     dvp = torch.empty_like(dvl)
     dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
     _launch(
-        _delta_dstate, lambda t: (triton.cdiv(V, t["BV"]), B * H),
+        _delta_dstate, lambda t: (_cdiv(V, t["BV"]), B * H),
         q, k, W, gp, do, dvl, k if dht is None else dht, dhbuf if dh0 is None else dh0, dhbuf, dvp, scale, T, N,
         tiles={"BV": _block(V)}, K=K, V=V, BK=_full_k(K), USE_G=gc is not None,
         HAS_DHT=dht is not None, HAS_DH0=dh0 is not None, **cfg,
@@ -526,9 +528,9 @@ def fused_recurrent_delta_triton(
     o = torch.empty(B, HQ, T, V, device=q.device, dtype=q.dtype)
     ht = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
     h0 = None if initial_state is None else initial_state.contiguous()
-    BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), max(16, 8192 // BK))
-    _fused_recurrent_delta_kernel[(triton.cdiv(V, BV), B * H)](
+    BK = _pow2(K)
+    BV = min(_pow2(V), max(16, 8192 // BK))
+    _fused_recurrent_delta_kernel[(_cdiv(V, BV), B * H)](
         q, k, v, beta, beta if g is None else g, ht if h0 is None else h0, o, ht, float(scale), T,
         H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None, HAS_H0=h0 is not None,
     )  # fmt: skip

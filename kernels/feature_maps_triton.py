@@ -33,7 +33,7 @@ try:  # in a try block, which transformers' remote-code import check skips: expo
 except ImportError:
     raise
 
-from .gla_triton import _block, _dot_config, _tuned
+from .gla_triton import _block, _cdiv, _dot_config, _pow2, _tuned
 
 
 @triton.jit
@@ -141,7 +141,7 @@ def _hedgehog_launch(kernel, x: torch.Tensor, weight: torch.Tensor, *tensors: to
     F = weight.shape[-1]
     BF = _block(F, cap=HEDGEHOG_MAX_FEATURES)
     BT = min(32, _TILE // BF)
-    kernel[(triton.cdiv(T, BT), B * H)](
+    kernel[(_cdiv(T, BT), B * H)](
         x, weight, *tensors, T, H=H, D=D, F=F, BT=BT, BD=_block(D), BF=BF,
         **_dot_config(torch.promote_types(x.dtype, weight.dtype)),
     )
@@ -198,9 +198,9 @@ class _Performer(torch.autograd.Function):
         M = logits.shape[-1]
         R = logits.numel() // M
         out = torch.empty_like(logits)
-        BM = triton.next_power_of_2(M)
+        BM = _pow2(M)
         BR = min(64, PERFORMER_MAX_FEATURES // BM)
-        _performer_kernel[(triton.cdiv(R, BR),)](
+        _performer_kernel[(_cdiv(R, BR),)](
             logits, logits if stabilizer is None else stabilizer, out, R, 1.0 / math.sqrt(M),
             M=M, BR=BR, BM=BM, HAS_STAB=stabilizer is not None,
         )

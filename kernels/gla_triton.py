@@ -57,6 +57,16 @@ except ImportError:
 SUB_CHUNK = 16
 
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host: triton.cdiv is a constexpr function whose every call costs microseconds."""
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n, on the host (see `_cdiv`)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _interpreting() -> bool:
     """Triton's own switch: kernels decorated while it is on run in the interpreter (no autotuning there)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
@@ -102,7 +112,7 @@ def _fitting_tiles(configs: list, named_args: dict, **kwargs) -> list:
 
     def fits(config) -> bool:
         return all(
-            size <= max(TILES[0], triton.next_power_of_2(dims[spans[tile]]))
+            size <= max(TILES[0], _pow2(dims[spans[tile]]))
             for tile, size in config.kwargs.items()
             if tile in spans
         )
@@ -779,7 +789,7 @@ _bwd_inter = _tuned(_bwd_inter_kernel, ["BT", "K", "V", "G", "USE_G", "GS"], ("B
 
 def _block(dim: int, cap: int = 64) -> int:
     """Power-of-two tile for a head dimension, at least 16 (the smallest tl.dot) and at most `cap`."""
-    return min(cap, max(16, triton.next_power_of_2(dim)))
+    return min(cap, max(16, _pow2(dim)))
 
 
 BLOCK_WARPS = 2  # warps per program of the kernels on 16-row blocks (in-chunk scores and their gradients): on an
@@ -787,12 +797,12 @@ BLOCK_WARPS = 2  # warps per program of the kernels on 16-row blocks (in-chunk s
 
 
 def _launch(kernel, grid, *args, tiles: dict[str, int], warps: int | None = None, **meta) -> None:
-    """Launch over `grid(tiles)`: fixed tiles (`_fixed_tiles`) and `warps` (Triton's default if None), else the
-    autotuner's choice."""
-    if _fixed_tiles():
-        kernel[grid(tiles)](*args, **tiles, **meta, **({} if warps is None else {"num_warps": warps}))
-    else:
+    """Launch over `grid(tiles)` with fixed tiles and `warps` (Triton's default if None), or the autotuner's choice
+    for a kernel `_tuned` wrapped in one."""
+    if isinstance(kernel, triton.runtime.Autotuner):
         kernel[grid](*args, **meta)
+    else:
+        kernel[grid(tiles)](*args, **tiles, **meta, **({} if warps is None else {"num_warps": warps}))
 
 
 def _device_guard(x: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -835,7 +845,7 @@ def _local_cumsum(g: torch.Tensor, BT: int) -> torch.Tensor:
     B, H, T, K = g.shape
     gc = torch.empty(B, H, T, K, device=g.device, dtype=torch.float32)
     BK = _block(K)
-    _chunk_cumsum_kernel[(triton.cdiv(K, BK), triton.cdiv(T, BT), B * H)](g, gc, T, K=K, BT=BT, BK=BK)
+    _chunk_cumsum_kernel[(_cdiv(K, BK), _cdiv(T, BT), B * H)](g, gc, T, K=K, BT=BT, BK=BK)
     return gc
 
 
@@ -860,7 +870,7 @@ def _scan_plan(
     (fp32 [B, H, N + 1, K] and [B, H, NS, K]; placeholders without a decay)."""
     B, H, _, K = x.shape
     S = _segment_len(N, B * H * tiles)
-    NS = triton.cdiv(N, S)
+    NS = _cdiv(N, S)
     if gc is None:
         return S, NS, x, x
     dbuf = torch.empty(B, H, N + 1, K, device=x.device, dtype=torch.float32)
@@ -883,7 +893,7 @@ def _finish_scan(
         V = buf.shape[4] if buf.dim() == 5 else 1
         BK, BV = _block(K), _block(V)
         meta = {"K": K, "V": V, "BK": BK, "BV": BV, "USE_G": gc is not None, "REVERSE": reverse}
-        tiles = triton.cdiv(K, BK) * triton.cdiv(V, BV)
+        tiles = _cdiv(K, BK) * _cdiv(V, BV)
         _carry_kernel[(tiles, B * H)](buf, tbuf, slots - 1, S, NS, **meta)
         _fixup_kernel[(tiles, slots, B * H)](buf, dbuf, slots - 1, S, NS, **meta)
 
@@ -896,13 +906,13 @@ def _states(
     the normalizer z (zbuf [B, H, N + 1, K], fp32), else None."""
     B, H, T, K = k.shape
     V = v.shape[-1]
-    N = triton.cdiv(T, BT)
+    N = _cdiv(T, BT)
     hbuf = torch.empty(B, H, N + 1, K, V, device=k.device, dtype=state_dtype)
     zbuf = torch.empty(B, H, N + 1, K, device=k.device, dtype=torch.float32) if norm else None
     tiles = {"BK": _block(K), "BV": _block(V)}
-    S, NS, dbuf, tbuf = _scan_plan(k, gc, N, triton.cdiv(K, tiles["BK"]) * triton.cdiv(V, tiles["BV"]))
+    S, NS, dbuf, tbuf = _scan_plan(k, gc, N, _cdiv(K, tiles["BK"]) * _cdiv(V, tiles["BV"]))
     _launch(
-        _fwd_state, lambda t: (triton.cdiv(K, t["BK"]) * triton.cdiv(V, t["BV"]), NS, B * H),
+        _fwd_state, lambda t: (_cdiv(K, t["BK"]) * _cdiv(V, t["BV"]), NS, B * H),
         k, v, k if gc is None else gc, k if h0 is None else h0, hbuf,
         k if z0 is None else z0, hbuf if zbuf is None else zbuf, dbuf, tbuf, T, N, S, tiles=tiles,
         K=K, V=V, BT=BT, USE_G=gc is not None, HAS_H0=h0 is not None, NORM=norm, **_decay_strides(gc),
@@ -919,12 +929,12 @@ def _scores(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor | None, scale: fl
     A = torch.empty(B, HQ, T, BT, device=q.device, dtype=torch.float32)
     cfg = {"H": H, "G": HQ // H, "K": K, "BT": BT}
     if gc is not None and gc.shape[-1] == 1:
-        _launch(_intra_scores_scalar, lambda t: (triton.cdiv(T, BT), B * HQ), q, k, gc, A, scale, T,
+        _launch(_intra_scores_scalar, lambda t: (_cdiv(T, BT), B * HQ), q, k, gc, A, scale, T,
                 tiles={"BK": _block(K)}, **cfg, **_dot_config(q.dtype))
         return A
     NC = BT // SUB_CHUNK
     _launch(
-        _intra_scores, lambda t: (triton.cdiv(T, BT), NC * (NC + 1) // 2, B * HQ), q, k, k if gc is None else gc, A, scale, T,
+        _intra_scores, lambda t: (_cdiv(T, BT), NC * (NC + 1) // 2, B * HQ), q, k, k if gc is None else gc, A, scale, T,
         tiles={"BK": _block(K)}, warps=BLOCK_WARPS, BC=SUB_CHUNK, NC=NC, USE_G=gc is not None, **cfg, **_decay_strides(gc),
         **_dot_config(q.dtype), PREC32=_kept_precision(q.dtype),
     )
@@ -940,7 +950,7 @@ def _output(
     H, V = v.shape[1], v.shape[-1]
     o = torch.empty(B, HQ, T, V + (zbuf is not None), device=q.device, dtype=q.dtype)
     _launch(
-        _fwd_output, lambda t: (triton.cdiv(V, t["BV"]), triton.cdiv(T, BT), B * HQ),
+        _fwd_output, lambda t: (_cdiv(V, t["BV"]), _cdiv(T, BT), B * HQ),
         q, v, q if gc is None else gc, hbuf, hbuf if zbuf is None else zbuf, A, o, scale, T, hbuf.shape[2],
         tiles={"BK": _block(K), "BV": _block(V)},
         H=H, G=HQ // H, K=K, V=V, BT=BT, USE_G=gc is not None, NORM=zbuf is not None, **_decay_strides(gc),
@@ -961,7 +971,7 @@ def _backward(
     """
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
-    G, N = HQ // H, triton.cdiv(T, BT)
+    G, N = HQ // H, _cdiv(T, BT)
     tiles = {"BK": _block(K), "BV": _block(V)}
     gp = k if gc is None else gc
     use_g = gc is not None
@@ -972,9 +982,9 @@ def _backward(
     dhbuf = torch.empty(B, H, N + 1, K, V, device=q.device, dtype=torch.float32)
     dzbuf = torch.empty(B, H, N + 1, K, device=q.device, dtype=torch.float32) if norm else None
     dden = do if dden is None else dden  # (a placeholder pointer without the normalizer)
-    S, NS, dbuf, tbuf = _scan_plan(k, gc, N, triton.cdiv(K, tiles["BK"]) * triton.cdiv(V, tiles["BV"]))
+    S, NS, dbuf, tbuf = _scan_plan(k, gc, N, _cdiv(K, tiles["BK"]) * _cdiv(V, tiles["BV"]))
     _launch(
-        _bwd_dstate, lambda t: (triton.cdiv(K, t["BK"]) * triton.cdiv(V, t["BV"]), NS, B * H),
+        _bwd_dstate, lambda t: (_cdiv(K, t["BK"]) * _cdiv(V, t["BV"]), NS, B * H),
         q, do, dden, gp, k if dht is None else dht, dhbuf, k if dzt is None else dzt,
         dhbuf if dzbuf is None else dzbuf, dbuf, tbuf, scale, T, N, S,
         tiles=tiles, K=K, V=V, HAS_DHT=dht is not None, NORM=norm, **decay, **cfg,
@@ -984,7 +994,7 @@ def _backward(
     dz0 = dzbuf[:, :, 0].clone() if norm and h0 is not None else None
     dv = torch.empty_like(v)
     _launch(
-        _bwd_dv, lambda t: (triton.cdiv(V, t["BV"]), N, B * H), k, gp, A, do, dhbuf, dv, T, N, tiles=tiles,
+        _bwd_dv, lambda t: (_cdiv(V, t["BV"]), N, B * H), k, gp, A, do, dhbuf, dv, T, N, tiles=tiles,
         K=K, V=V, **decay, **cfg, PREC32=_kept_precision(q.dtype),
     )
     dq, dk, dg = _score_and_state_grads(q, k, v, gc, hbuf, zbuf, do, dden if norm else None, dhbuf, dzbuf, scale, BT)
@@ -1003,7 +1013,7 @@ def _score_and_state_grads(
     for one decay per head."""
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
-    G, N, NC = HQ // H, triton.cdiv(T, BT), BT // SUB_CHUNK
+    G, N, NC = HQ // H, _cdiv(T, BT), BT // SUB_CHUNK
     tiles = {"BK": _block(K), "BV": _block(V)}
     gp = k if gc is None else gc
     use_g = gc is not None
@@ -1017,12 +1027,12 @@ def _score_and_state_grads(
     dki = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32)
     if use_g and gc.shape[-1] == 1:
         _launch(
-            _bwd_intra_scalar, lambda t: (triton.cdiv(K, t["BK"]), N, B * H), q, k, gc, dA, dqi, dki, scale, T,
+            _bwd_intra_scalar, lambda t: (_cdiv(K, t["BK"]), N, B * H), q, k, gc, dA, dqi, dki, scale, T,
             tiles={"BK": tiles["BK"]}, H=H, G=G, K=K, BT=BT, PREC32=_kept_precision(q.dtype),
         )
     else:
         _launch(
-            _bwd_intra, lambda t: (triton.cdiv(K, t["BK"]), N * NC, B * H), q, k, gp, dA, dqi, dki, scale, T,
+            _bwd_intra, lambda t: (_cdiv(K, t["BK"]), N * NC, B * H), q, k, gp, dA, dqi, dki, scale, T,
             tiles={"BK": tiles["BK"]}, warps=BLOCK_WARPS, K=K, BC=SUB_CHUNK, NC=NC, **decay, **cfg,
             PREC32=_kept_precision(q.dtype),
         )
@@ -1030,7 +1040,7 @@ def _score_and_state_grads(
     dk = torch.empty(k.shape, device=k.device, dtype=dk_dtype or k.dtype)
     dg = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32) if use_g else None
     _launch(
-        _bwd_inter, lambda t: (triton.cdiv(K, t["BK"]), N, B * H),
+        _bwd_inter, lambda t: (_cdiv(K, t["BK"]), N, B * H),
         q, k, v, gp, hbuf, hbuf if zbuf is None else zbuf, do, dden, dhbuf, dhbuf if dzbuf is None else dzbuf,
         dqi, dki, dq, dk, k if dg is None else dg, scale, T, N, tiles=tiles, K=K, V=V, NORM=norm, **decay, **cfg,
     )
@@ -1173,10 +1183,10 @@ def fused_recurrent_gla_triton(
     else:
         ht = torch.empty(B, H, K, SV, device=q.device, dtype=state_dtype)
         h0 = None if initial_state is None else initial_state.contiguous()
-    BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), max(16, 8192 // BK))
+    BK = _pow2(K)
+    BV = min(_pow2(V), max(16, 8192 // BK))
     with _device_guard(q):
-        _fused_recurrent_kernel[(triton.cdiv(V, BV), B * H)](
+        _fused_recurrent_kernel[(_cdiv(V, BV), B * H)](
             q, k, v, k if g is None else g, ht if h0 is None else h0, o, ht, float(scale), T,
             H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None, HAS_H0=h0 is not None, NORM=normalizer,
             SV=SV, **_decay_strides(g),
