@@ -226,6 +226,17 @@ def _fwd_state_kernel(
 
 
 @triton.jit
+def _state_tile(i_kv, bh, N, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Tile i_kv (key blocks outer, value blocks inner) of head bh's states in a [B*H, N + 1, K, V] buffer:
+    its key channels, their mask, the tile's mask and its offsets within the first state."""
+    NV = tl.cdiv(V, BV)
+    ck = (i_kv // NV) * BK + tl.arange(0, BK)
+    cv = (i_kv % NV) * BV + tl.arange(0, BV)
+    m_k = ck < K
+    return ck, m_k, m_k[:, None] & (cv < V)[None, :], bh * (N + 1) * K * V + ck[:, None] * V + cv[None, :]
+
+
+@triton.jit
 def _carry_kernel(
     buf, tbuf, N, S, NS,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, REVERSE: tl.constexpr,
@@ -234,14 +245,8 @@ def _carry_kernel(
     segment hands on (forward: the one after its last chunk; REVERSE: the one before its first) becomes the
     true one, e^(segment's decay) times the one handed on before it plus the segment's own part."""
     i_kv, i_bh = tl.program_id(0), tl.program_id(1)
-    NV = tl.cdiv(V, BV)
-    i_k, i_v = i_kv // NV, i_kv % NV
     bh = i_bh.to(tl.int64)
-    ck = i_k * BK + tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    m_k = ck < K
-    m_kv = m_k[:, None] & (cv < V)[None, :]
-    offs = bh * (N + 1) * K * V + ck[:, None] * V + cv[None, :]
+    ck, m_k, m_kv, offs = _state_tile(i_kv, bh, N, K, V, BK, BV)
     if REVERSE:
         first = (NS - 1) * S
     else:
@@ -277,14 +282,8 @@ def _fixup_kernel(
         anchor = s * S
     if (n % S == 0) | (n == N) | edge:
         return
-    NV = tl.cdiv(V, BV)
-    i_k, i_v = i_kv // NV, i_kv % NV
     bh = i_bh.to(tl.int64)
-    ck = i_k * BK + tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    m_k = ck < K
-    m_kv = m_k[:, None] & (cv < V)[None, :]
-    offs = bh * (N + 1) * K * V + ck[:, None] * V + cv[None, :]
+    ck, m_k, m_kv, offs = _state_tile(i_kv, bh, N, K, V, BK, BV)
     x = tl.load(buf + offs + anchor * K * V, mask=m_kv, other=0.0).to(tl.float32)
     if USE_G:
         x *= tl.exp(tl.load(dbuf + (bh * (N + 1) + n) * K + ck, mask=m_k, other=0.0))[:, None]
