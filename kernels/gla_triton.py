@@ -20,11 +20,11 @@ One decay per head (g [B, H, T, 1]: RetNet, the key gate, Performer's stabilizer
 token (channel stride 0), and its in-chunk scores are one masked dot per chunk, forward and backward.
 
 Launches: fixed tiles (BK = BV = 64 at most; Triton's default warps and stages, 2 warps for the
-kernels on 16-row blocks), the configuration checked on an H200; LINEARIZE_AUTOTUNE=1 autotunes BK/BV and num_warps on CUDA instead (there it once
-hit an illegal memory access while tuning, see the README). Under TRITON_INTERPRET=1 everything runs
-on CPU tensors. Every launch runs under the inputs' device guard, so a layer on cuda:1 works while
-cuda:0 is current. States (per-chunk and final) are fp32 or, on
-request, bf16 (`state_dtype`); every sum accumulates in fp32.
+kernels on 16-row blocks), the configuration checked on an H200; LINEARIZE_AUTOTUNE=1 autotunes BK/BV
+and num_warps on CUDA instead (there it once hit an illegal memory access while tuning, see the README).
+Under TRITON_INTERPRET=1 everything runs on CPU tensors. Every launch runs under the inputs' device
+guard, so a layer on cuda:1 works while cuda:0 is current. States (per-chunk and final) are fp32 or,
+on request, bf16 (`state_dtype`); every sum accumulates in fp32.
 
 The scans over chunks (the states forward, their gradients backward) run in segments: every segment
 from a zero state in parallel, then a short carry of the true state across segments, then a pass adding
