@@ -459,6 +459,13 @@ def parse_int_list(text: str, what: str) -> list[int]:
     return values
 
 
+def _check_compilable(student_dir: str | Path) -> None:
+    """Refuse `--compile` before anything loads when the export's remote code has no compiled decoding."""
+    code = Path(student_dir).expanduser() / "modeling_linearize.py"  # the export's model code (convert/export.py)
+    if not code.is_file() or "def compile_decoding(" not in code.read_text():
+        raise ValueError(f"{student_dir}'s model code predates compiled decoding: convert it again, or bench without --compile")
+
+
 def run_bench(
     student_dir: str | Path,
     teacher: str | None = None,
@@ -483,6 +490,8 @@ def run_bench(
     from .models import dtype_name, load, resolve_device_dtype, student_config, teacher_spec
 
     student_config(student_dir)
+    if compile_student:
+        _check_compilable(student_dir)
     device, torch_dtype = resolve_device_dtype(device, dtype)
     if decode_tokens < 0:
         raise ValueError(f"bad --decode-tokens {decode_tokens}: give 0 or more")
@@ -512,8 +521,6 @@ def run_bench(
             spec, device=device, dtype=torch_dtype, with_tokenizer=False, trust_remote_code=trust_remote_code
         )
         if role == "student" and compile_student:
-            if not hasattr(loaded[role], "compile_decoding"):
-                raise ValueError(f"{student_dir}'s model code predates compiled decoding: convert it again, or bench without --compile")
             loaded[role].compile_decoding()
     bench_loaded()
     rows = ratio_rows(points["student"], points.get("teacher"))

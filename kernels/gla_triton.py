@@ -1069,11 +1069,12 @@ class _ChunkGLA(torch.autograd.Function):
         hbuf, zbuf = _states(k, v, gc, h0, z0, BT, norm=norm, state_dtype=state_dtype)
         A = _scores(q, k, gc, scale, BT)
         o = _output(q, v, gc, hbuf, zbuf, A, scale, BT)
-        ht = hbuf[:, :, -1].clone()
-        zt = None if zbuf is None else zbuf[:, :, -1]
+        ht = hbuf[:, :, -1]
         ctx.save_for_backward(q, k, v, g, gc, A, initial_state)
         ctx.scale, ctx.BT, ctx.state_dtype, ctx.norm = scale, BT, state_dtype, norm
-        return o, ht if zt is None else torch.cat([ht, zt.unsqueeze(-1).to(ht.dtype)], dim=-1)
+        if zbuf is None:
+            return o, ht.clone()  # not a view that would keep every chunk's state alive
+        return o, torch.cat([ht, zbuf[:, :, -1].unsqueeze(-1).to(ht.dtype)], dim=-1)
 
     @staticmethod
     def backward(ctx, do, dht):
