@@ -22,9 +22,11 @@ Method (the same for both models, in one process):
   (activations, cache, allocator slack), so it is an honest upper bound, not a tensor count.
 - Bandwidth bound: a decoding step must read every weight once (the input embedding only for its
   B rows, unless the output head shares it) and the whole cache. Those bytes over the machine's
-  read bandwidth, measured in the same run (`read_bandwidth`: the best of a few sums over a
-  buffer far larger than the caches), give the ideal tokens/s; `bound_fraction` is the measured
-  tokens/s over it. The cache read is the cache after decoding, so the bound is slightly strict.
+  read bandwidth give the ideal tokens/s; `bound_fraction` is the measured tokens/s over it. The
+  bandwidth (`read_bandwidth`: the best of a few sums over a buffer far larger than the caches) is
+  measured before the points and again after every decode round, since it drifts with the machine
+  as the rates do, and every point's bound takes the best of all: the strictest bound. The cache
+  read is the cache after decoding, so the bound is slightly strict too.
 - Points whose predicted cache would not fit in the free memory are skipped, not crashed into.
 - Each model gets one small warm-up point first, so one-time costs are not timed.
 """
@@ -258,11 +260,12 @@ def bench_models(
     bytes, and `status` ("ok", "skipped: ..." when the predicted cache does not fit, "oom" when it ran out anyway).
 
     At each point every model prefills the same ids in turn, then their decode rounds alternate (see the
-    module docstring). `bandwidth` (bytes/s) is measured here unless given.
+    module docstring). The bound's bandwidth is the best of `bandwidth` (bytes/s, if given) and the
+    measurements here, between decode rounds.
     """
     runners = {name: _Runner(model) for name, model in models.items()}
     device = next(iter(runners.values())).device
-    bandwidth = bandwidth or read_bandwidth(device)
+    bandwidth = max(bandwidth or 0.0, read_bandwidth(device))
     sizes = {}
     for name, runner in runners.items():  # warm-up: first calls pay for lazy init, kernel selection, allocator growth
         runner.decode(*runner.prefill(torch.zeros(1, 16, dtype=torch.long, device=device)), 2)
@@ -312,24 +315,25 @@ def bench_models(
                     state["decode_s"] += seconds
                 if points[name][-1].get("status") == "oom":
                     del live[name]
+            with contextlib.suppress(torch.OutOfMemoryError):  # a device filled by the caches keeps the last figure
+                bandwidth = max(bandwidth, read_bandwidth(device, repeats=2))
         for name, state in live.items():
             point, cache_bytes, decode_s = points[name][-1], cache_nbytes(state["cache"]), state["decode_s"]
-            step_bytes = weight_bytes_per_step(models[name], batch) + cache_bytes
-            bound_tok_s = batch * bandwidth / step_bytes
             decode_tok_s = batch * decode_tokens / decode_s if decode_tokens else None
             point.update(
                 status="ok",
                 decode_s=decode_s,
                 decode_tok_s=decode_tok_s,
-                step_bytes=step_bytes,
-                bandwidth_bytes_s=bandwidth,
-                bound_tok_s=bound_tok_s,
-                bound_fraction=None if decode_tok_s is None else decode_tok_s / bound_tok_s,
+                step_bytes=weight_bytes_per_step(models[name], batch) + cache_bytes,
                 cache_bytes=cache_bytes,
             )
             log.debug("%s ctx=%d B=%d decode %.1f tok/s", name, context, batch, decode_tok_s or 0)
         del live, ids
         gc.collect()
+    for point in (p for model_points in points.values() for p in model_points if p.get("status") == "ok"):
+        bound_tok_s = point["batch"] * bandwidth / point["step_bytes"]
+        rate = point["decode_tok_s"]
+        point.update(bandwidth_bytes_s=bandwidth, bound_tok_s=bound_tok_s, bound_fraction=None if rate is None else rate / bound_tok_s)
     return points
 
 
@@ -499,11 +503,12 @@ def run_bench(
     dev = torch.device(device)
     specs = {"student": str(student_dir)} | ({"teacher": tspec} if tspec else {})
     points: dict[str, list[dict[str, Any]]] = {}
-    bandwidth = read_bandwidth(dev)
     loaded: dict[str, PreTrainedModel] = {}
     schedule = "interleaved" if len(specs) > 1 else "one model"
 
     def bench_loaded() -> None:
+        # Models benched one after the other: the second's bound starts from the best bandwidth the first saw.
+        bandwidth = max((p.get("bandwidth_bytes_s", 0.0) for ps in points.values() for p in ps), default=0.0)
         points.update(bench_models(loaded, contexts, batch_sizes, decode_tokens, progress=progress, bandwidth=bandwidth))
         loaded.clear()
         gc.collect()
@@ -536,7 +541,7 @@ def run_bench(
         "decode_tokens": decode_tokens,
         "student_decoding": "compiled" if compile_student else "eager",
         "schedule": schedule,
-        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "read_bandwidth_gb_s": max((p.get("bandwidth_bytes_s", 0.0) for ps in points.values() for p in ps), default=0.0) / 1e9,
         "points": points,
         "rows": rows,
         "paths": {"json": str(out / "bench.json"), "png": str(out / "bench.png")},

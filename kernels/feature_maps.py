@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from .gla_torch import step_bmm
 from .ops import kernel_backend
 
 try:
@@ -54,7 +55,7 @@ def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch
     dtype = torch.promote_types(x.dtype, weight.dtype)
     B, H, T, D = x.shape
     # One matmul batched over heads with the bias folded in (see `per_head_matmul`).
-    z = torch.baddbmm(bias.to(dtype)[:, None, :], x.to(dtype).transpose(0, 1).reshape(H, B * T, D), weight.to(dtype))
+    z = step_bmm(x.to(dtype).transpose(0, 1).reshape(H, B * T, D), weight.to(dtype), add=bias.to(dtype)[:, None, :])
     z = z.view(H, B, T, -1).transpose(0, 1)
     return torch.stack([z, -z], dim=-2).softmax(-1).flatten(-2).to(x.dtype)
 

@@ -21,6 +21,21 @@ from torch.utils.checkpoint import checkpoint
 
 MIN_LOG_DECAY = -5.0
 SUB_CHUNK = 16
+STEP_BMM_ROWS = 16  # compiled CPU products with at most this many rows per batch entry become multiply-and-sum
+
+
+def step_bmm(a: torch.Tensor, b: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """`torch.bmm(a, b)` (`torch.baddbmm(add, a, b)` with `add`) for a decoding step's small products.
+
+    a [N, M, K], b [N, K, P]. Inside a torch.compile graph on CPU, with few rows (M), it is a broadcast
+    multiply and a sum, which inductor fuses into its own loops: there each extern BLAS call cost
+    10-50 µs of dispatch and threading for a few µs of math, on some ten products per layer and
+    token. Everywhere else, the library's product.
+    """
+    if torch.compiler.is_compiling() and a.device.type == "cpu" and a.shape[-2] <= STEP_BMM_ROWS:
+        product = (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+        return product if add is None else product + add
+    return torch.bmm(a, b) if add is None else torch.baddbmm(add, a, b)
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
@@ -91,8 +106,8 @@ def gla_recurrent(
     if T == 1 and not grads:  # a decoding step: 3D matmuls over (row, head), the fewest ops (each costs more than its math)
         if g is not None:
             state.mul_(g.to(acc).exp().transpose(-1, -2))
-        state.view(B * H, K, V).baddbmm_(k.to(acc).reshape(B * H, K, 1), v.to(acc).reshape(B * H, 1, V))
-        o = torch.bmm(q.to(acc).reshape(B * H, HQ // H, K), state.view(B * H, K, V))
+        state.addcmul_(k.to(acc).transpose(-1, -2), v.to(acc))  # the outer product k v^T, one broadcast op
+        o = step_bmm(q.to(acc).reshape(B * H, HQ // H, K), state.view(B * H, K, V))
         return (o if scale == 1.0 else o.mul_(scale)).view(B, HQ, 1, V).to(q.dtype), state
     qg, k, v = _group(q, H).to(acc), k.to(acc), v.to(acc)
     qg = qg if scale == 1.0 else qg * scale

@@ -53,7 +53,7 @@ from ..kernels.feature_maps import (  # noqa: E402
     performer_logits,
     taylor,
 )
-from ..kernels.gla_torch import MIN_LOG_DECAY  # noqa: E402
+from ..kernels.gla_torch import MIN_LOG_DECAY, step_bmm  # noqa: E402
 from ..kernels.ops import gated_delta_rule, gated_linear_attention, normalize_output, with_normalizer  # noqa: E402
 from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
 from .families import Family, family_of  # noqa: E402
@@ -69,6 +69,15 @@ SPLIT_GEMV_ROWS = 64  # up to this many rows (decoding batches) the split produc
 SPLIT_DECODE_MIN_KEYS = 2048  # shorter softmax caches keep SDPA's own kernel, as fast there
 SPLIT_DECODE_BLOCKS = 8  # key blocks per KV head in split_decode_attention: work for every thread
 SPLIT_DECODE = "linearize_split_decode"  # the name softmax layers see for SDPA (SoftmaxAttentionConfig)
+# Inductor settings for the compiled decoding step (`compile_decoding`), each measured on 2 CPU cores:
+COMPILED_STEP_OPTIONS = {
+    # Its locality pass moves the reads of a ring's leaving token after the new token's write, and a
+    # slot written before its old value is read is a copy of the whole ring: 786 KB per layer and token.
+    "reorder_for_locality": False,
+    # Dynamo's guards already check each input's size and strides before the graph runs.
+    "size_asserts": False,
+    "alignment_asserts": False,
+}
 
 
 class HedgehogFeatureMap(nn.Module):
@@ -367,19 +376,19 @@ def window_step_terms(
     B, H, _, D = q.shape
     Hkv, W = k.shape[1], k.shape[2]
     q = (q * scaling).view(B * Hkv, H // Hkv, D)
-    scores = torch.bmm(q, k.reshape(B * Hkv, W, D).transpose(1, 2))
+    scores = step_bmm(q, k.reshape(B * Hkv, W, D).transpose(1, 2))
     scores.view(B, -1, W).masked_fill_(~key_valid[:, None], float("-inf"))
     if sinks is not None:
         S = sinks[0].shape[2]
-        sink_scores = torch.bmm(q, sinks[0].reshape(B * Hkv, S, D).transpose(1, 2))
+        sink_scores = step_bmm(q, sinks[0].reshape(B * Hkv, S, D).transpose(1, 2))
         if sink_visible is not None:
             sink_scores.view(B, -1, S).masked_fill_(~sink_visible[:, None], float("-inf"))
         scores = torch.cat([scores, sink_scores], dim=-1)
     c = scores.amax(-1, keepdim=True).clamp_min_(-1e4)
     weights = scores.sub_(c).exp_()
-    num = torch.bmm(weights[..., :W], v.reshape(B * Hkv, W, D))
+    num = step_bmm(weights[..., :W], v.reshape(B * Hkv, W, D))
     if sinks is not None:
-        num = num.baddbmm_(weights[..., W:], sinks[1].reshape(B * Hkv, S, D))
+        num = step_bmm(weights[..., W:], sinks[1].reshape(B * Hkv, S, D), add=num)
     return torch.cat([num, weights.sum(-1, keepdim=True)], dim=-1).view(B, H, 1, D + 1), c.view(B, H, 1, 1)
 
 
@@ -1010,20 +1019,22 @@ class SplitGemvLinear(nn.Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def lay_out_for_cpu_decode(model: nn.Module, column_major: bool) -> None:
-    """Make the large CPU linear layers `SplitGemvLinear`s, their weights column-major (eager decoding) or row-major.
+def lay_out_for_cpu_decode(model: nn.Module, column_major: bool, smallest: int | None = None) -> None:
+    """Make the CPU linear layers of `smallest` (default SPLIT_GEMV_MIN) elements or more `SplitGemvLinear`s,
+    their weights column-major (eager decoding) or row-major.
 
     Values, parameter objects and tying are unchanged (only `.data` is replaced), so optimizers and
     tied heads keep working; saving wants row-major tensors, so `save_pretrained` puts them back.
     Only plain `nn.Linear` layers with floating-point weights change: subclasses (quantized layers)
     own their weights' layout.
     """
+    smallest = SPLIT_GEMV_MIN if smallest is None else smallest
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (
             type(module) not in (nn.Linear, SplitGemvLinear)
             or not weight.is_floating_point()
-            or weight.numel() < SPLIT_GEMV_MIN
+            or weight.numel() < smallest
             or weight.device.type != "cpu"
         ):
             continue
@@ -1262,13 +1273,18 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         Decoding is bound by reading the weights, and an eager step on CPU spends much of its time
         between small ops; compiled, the step's element-wise work fuses into the products and the
         one-row products become parallel reductions over row-major weights (`SplitGemvLinear`).
-        `options` go to `torch.compile`. The first steps compile (about a minute on 2 CPU cores) and
-        the position becomes a symbolic size after the second, so one graph serves the rest. Steps
-        while sinks still fill, prefill, training and scoring stay eager. Returns the model.
+        `options` go to `torch.compile`; with inductor (the default backend) its `options` start from
+        COMPILED_STEP_OPTIONS. The first steps compile (a few minutes on 2 CPU cores, seconds once
+        inductor's cache holds the graph) and the position becomes a symbolic size after the second,
+        so one graph serves the rest. Steps while sinks still fill, prefill, training and scoring stay
+        eager. Returns the model.
         """
         self._row_major()
         if self.device.type == "cpu":
-            lay_out_for_cpu_decode(self, column_major=False)
+            # Every size: the small layers' products (the gates') fuse too, instead of extern BLAS calls.
+            lay_out_for_cpu_decode(self, column_major=False, smallest=0)
+        if options.get("backend", "inductor") == "inductor":
+            options["options"] = COMPILED_STEP_OPTIONS | options.get("options", {})
         self.compiled_step = torch.compile(self._forward, **options)
         return self
 

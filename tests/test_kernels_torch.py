@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from linearize.eval.kernel_bench import kernel_bench_main
-from linearize.kernels.gla_torch import MIN_LOG_DECAY, gla_chunked, gla_parallel, gla_recurrent
+from linearize.kernels.gla_torch import MIN_LOG_DECAY, STEP_BMM_ROWS, gla_chunked, gla_parallel, gla_recurrent, step_bmm
 from linearize.kernels.ops import gated_linear_attention
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -159,3 +159,16 @@ def test_kernel_bench_writes_its_report(tmp_path) -> None:
     assert {r["method"] for r in report["prefill"]} == {"gla-chunk/torch", "sdpa-causal"}
     assert all(r["forward_backward_ms"] > 0 for r in report["prefill"]) and len(report["decode"]) == 2
     assert (tmp_path / "kernel_bench.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("rows", [3, STEP_BMM_ROWS + 1], ids=["fused", "library"])
+def test_step_bmm_equals_the_library_product_eager_and_compiled(rows):
+    """Compiled on CPU with few rows it is a multiply-and-sum; with more, and eagerly, torch's own product."""
+    torch.manual_seed(0)
+    a, b, add = torch.randn(4, rows, 8), torch.randn(4, 8, 5).transpose(1, 2).contiguous().transpose(1, 2), torch.randn(4, 1, 5)
+    want = (torch.bmm(a, b), torch.baddbmm(add, a, b))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, add: (step_bmm(a, b), step_bmm(a, b, add=add)), fullgraph=True)
+    for got in ((step_bmm(a, b), step_bmm(a, b, add=add)), compiled(a, b, add)):
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)

@@ -7,6 +7,7 @@ on one CPU thread; the embedded 135M model is only used by test_export.py and te
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -741,6 +742,42 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monk
     assert large and all(type(m) is SplitGemvLinear and m.weight.is_contiguous() for m in large)
     assert not model.cpu_decode_layout
     assert all(type(layer) is not modeling_linearize.ReservedDynamicLayer for layer in out.cache.layers)
+
+
+@torch.no_grad()
+def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(monkeypatch):
+    """All-linear on CPU, compiled: no extern BLAS call (the small products are `step_bmm`'s fused
+    multiply-and-sum, the small linears the split GEMV's), and after inductor's reinplacing no
+    functional scatter is left: each ring's new slot is written in place, where a scatter would
+    rewrite the whole ring every token (COMPILED_STEP_OPTIONS)."""
+    import torch._inductor.fx_passes.post_grad as post_grad
+    from torch._inductor.utils import run_and_get_code
+
+    torch.set_num_threads(2)
+    torch._dynamo.reset()
+    left, reinplace = [], post_grad.reinplace_inplaceable_ops
+
+    def reinplace_and_record(*args) -> None:
+        reinplace(*args)
+        left.extend(n.target for n in args[-1].nodes if n.op == "call_function" and "scatter" in str(n.target))
+
+    monkeypatch.setattr(post_grad, "reinplace_inplaceable_ops", reinplace_and_record)
+    # rope_features off: keys wait in the window unrotated, so a second ring (the payload) is written too.
+    model = make_model([LIN, LIN], {"window": 4, "sink": 2, "chunk_size": 16, "rope_features": False})
+    cache = DynamicCache(config=model.config)
+    token = model(random_ids(1, 12, seed=13), cache=cache).logits[:, -1:].argmax(-1)
+    model.compile_decoding()
+
+    def decode() -> None:
+        nonlocal token
+        for _ in range(3):
+            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph would skip the passes
+        _, codes = run_and_get_code(decode)
+    assert codes and cache.layers[0].recurrent_states[STATES["window_payload"]] is not None
+    assert not any(re.search(r"extern_kernels\.\w+\(", code) for code in codes), "a product left to an extern kernel"
+    assert not left, f"slot writes left as whole-ring scatters: {left}"
 
 
 def sdpa_calls(monkeypatch) -> list[int]:
