@@ -337,6 +337,11 @@ def bench_models(
     return points
 
 
+def best_bandwidth(points: dict[str, list[dict[str, Any]]]) -> float:
+    """The bandwidth (bytes/s) behind the points' bounds so far, 0.0 before any point has one."""
+    return max((p.get("bandwidth_bytes_s", 0.0) for model_points in points.values() for p in model_points), default=0.0)
+
+
 def bench_model(model: PreTrainedModel, *args: Any, name: str = "model", **kwargs: Any) -> list[dict[str, Any]]:
     """`bench_models` for one model."""
     return bench_models({name: model}, *args, **kwargs)[name]
@@ -508,8 +513,9 @@ def run_bench(
 
     def bench_loaded() -> None:
         # Models benched one after the other: the second's bound starts from the best bandwidth the first saw.
-        bandwidth = max((p.get("bandwidth_bytes_s", 0.0) for ps in points.values() for p in ps), default=0.0)
-        points.update(bench_models(loaded, contexts, batch_sizes, decode_tokens, progress=progress, bandwidth=bandwidth))
+        points.update(
+            bench_models(loaded, contexts, batch_sizes, decode_tokens, progress=progress, bandwidth=best_bandwidth(points))
+        )
         loaded.clear()
         gc.collect()
         if dev.type == "cuda":
@@ -541,7 +547,7 @@ def run_bench(
         "decode_tokens": decode_tokens,
         "student_decoding": "compiled" if compile_student else "eager",
         "schedule": schedule,
-        "read_bandwidth_gb_s": max((p.get("bandwidth_bytes_s", 0.0) for ps in points.values() for p in ps), default=0.0) / 1e9,
+        "read_bandwidth_gb_s": best_bandwidth(points) / 1e9,
         "points": points,
         "rows": rows,
         "paths": {"json": str(out / "bench.json"), "png": str(out / "bench.png")},

@@ -1284,7 +1284,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             # Every size: the small layers' products (the gates') fuse too, instead of extern BLAS calls.
             lay_out_for_cpu_decode(self, column_major=False, smallest=0)
         if options.get("backend", "inductor") == "inductor":
-            options["options"] = COMPILED_STEP_OPTIONS | options.get("options", {})
+            options["options"] = COMPILED_STEP_OPTIONS | (options.get("options") or {})
         self.compiled_step = torch.compile(self._forward, **options)
         return self
 
