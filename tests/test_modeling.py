@@ -715,7 +715,7 @@ def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tm
 def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monkeypatch):
     """After `compile_decoding`, generate's steps past the filling sinks run one torch.compile graph
     without graph breaks (the position symbolic after the second) and give the eager model's tokens
-    and logits; the weights stay row-major and the softmax layers' caches plain, as the graph needs."""
+    and logits; the weights stay row-major, and the softmax layers keep their reserved, in-place caches."""
     from torch._dynamo.utils import counters
 
     torch.set_num_threads(2)
@@ -741,15 +741,17 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monk
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
     assert large and all(type(m) is SplitGemvLinear and m.weight.is_contiguous() for m in large)
     assert not model.cpu_decode_layout
-    assert all(type(layer) is not modeling_linearize.ReservedDynamicLayer for layer in out.cache.layers)
+    assert any(type(layer) is modeling_linearize.ReservedDynamicLayer for layer in out.cache.layers) == (FULL in layer_types)
 
 
+@pytest.mark.parametrize("layer_types", [[LIN, LIN], [LIN, FULL]], ids=["all-linear", "hybrid"])
 @torch.no_grad()
-def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(monkeypatch):
-    """All-linear on CPU, compiled: no extern BLAS call (the small products are `step_bmm`'s fused
-    multiply-and-sum, the small linears the split GEMV's), and after inductor's reinplacing no
-    functional scatter is left: each ring's new slot is written in place, where a scatter would
-    rewrite the whole ring every token (COMPILED_STEP_OPTIONS)."""
+def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(layer_types, monkeypatch):
+    """On CPU, compiled: after inductor's reinplacing no functional scatter is left, so each ring's
+    new slot, and a softmax layer's new token in its reserved room, is written in place where a
+    scatter would rewrite the whole buffer every token (COMPILED_STEP_OPTIONS); once the room is
+    full it grows outside the step's usual graph. All-linear, no extern BLAS call is left either
+    (the small products are `step_bmm`'s fused multiply-and-sum, the small linears the split GEMV's)."""
     import torch._inductor.fx_passes.post_grad as post_grad
     from torch._inductor.utils import run_and_get_code
 
@@ -763,21 +765,33 @@ def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(monk
 
     monkeypatch.setattr(post_grad, "reinplace_inplaceable_ops", reinplace_and_record)
     # rope_features off: keys wait in the window unrotated, so a second ring (the payload) is written too.
-    model = make_model([LIN, LIN], {"window": 4, "sink": 2, "chunk_size": 16, "rope_features": False})
+    monkeypatch.setattr(modeling_linearize, "RESERVE_MIN", 4)
+    model = make_model(layer_types, {"window": 4, "sink": 2, "chunk_size": 16, "rope_features": False})
     cache = DynamicCache(config=model.config)
-    token = model(random_ids(1, 12, seed=13), cache=cache).logits[:, -1:].argmax(-1)
+    ids = random_ids(1, 12, seed=13)
+    token = model(ids, cache=cache).logits[:, -1:].argmax(-1)
     model.compile_decoding()
+    steps = 8  # the softmax room (12 + 4 positions) fills and grows once
 
     def decode() -> None:
-        nonlocal token
-        for _ in range(3):
+        nonlocal token, ids
+        for _ in range(steps):
+            ids = torch.cat([ids, token], 1)
             token = model(token, cache=cache).logits[:, -1:].argmax(-1)
 
     with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph would skip the passes
         _, codes = run_and_get_code(decode)
     assert codes and cache.layers[0].recurrent_states[STATES["window_payload"]] is not None
-    assert not any(re.search(r"extern_kernels\.\w+\(", code) for code in codes), "a product left to an extern kernel"
-    assert not left, f"slot writes left as whole-ring scatters: {left}"
+    assert not left, f"slot writes left as whole-buffer scatters: {left}"
+    if FULL in layer_types:
+        softmax = cache.layers[1]
+        assert type(softmax) is modeling_linearize.ReservedDynamicLayer and softmax.keys.shape[-2] == ids.shape[1]
+        assert softmax.linearize_room[0].shape[-2] > 16, "the room grew"
+        assert softmax.keys.untyped_storage().data_ptr() == softmax.linearize_room[0].untyped_storage().data_ptr()
+        want = model(ids).logits[:, -1:].argmax(-1)
+        assert torch.equal(token, want)
+    else:
+        assert not any(re.search(r"extern_kernels\.\w+\(", code) for code in codes), "a product left to an extern kernel"
 
 
 def sdpa_calls(monkeypatch) -> list[int]:
@@ -807,6 +821,33 @@ def test_split_decode_attention_equals_sdpa(keys, scaling, monkeypatch):
     split_decode_attention(module, query, key, value, mask, scaling=scaling)
     split_decode_attention(module, torch.cat([query, query], 2), key, value, None, scaling=scaling)
     assert len(calls) == 2, "a mask or another query count is SDPA's"
+
+
+@torch.no_grad()
+def test_split_decode_attention_compiled_is_one_grouped_product(monkeypatch):
+    """Inside a compiled graph, one query over a short strided GQA cache: SDPA's answer, from two
+    products for all heads (not SDPA, nor the eager path's per-head blocks unrolled)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    room = torch.randn(2, 2, 2, 64, 8)
+    key, value = room[:, :, 0, :40], room[:, :, 1, :40]
+    query = torch.randn(2, 6, 1, 8)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 3
+    want, _ = modeling_linearize.sdpa_attention_forward(module, query, key, value, None, scaling=0.3)
+    calls = sdpa_calls(monkeypatch)
+    graphs = []
+
+    def record(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(split_decode_attention, backend=record, fullgraph=True)
+    got, weights = compiled(module, query, key, value, None, scaling=0.3)
+    assert not calls and weights is None
+    products = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target in (torch.matmul, torch.bmm)]
+    assert len(products) == 2, [n.target for n in graphs[0].graph.nodes]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
