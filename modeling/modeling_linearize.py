@@ -957,11 +957,11 @@ class ReservedDynamicLayer(DynamicLayer):
     copied (amortized O(1) per token). Whatever replaces `keys` / `values` from outside (crop, beam
     reorder, batch selection, offloading) stays the truth: the next update reserves again from it.
     A compiled decoding step finds its room already made (`reserve_before_graph`, from
-    `LinearizeForCausalLM.forward`) and its length in `linearize_filled`, so its graph holds the in-place write, no
-    allocation, and no view of the cache as an input: only the whole buffers, whose strides follow
-    from their sizes. After the first growth their capacity is a symbolic size and later growths
-    reuse the graph. 48 ms against 64 ms per step for the 3:1 student at 16K, where the graph used
-    to concatenate.
+    `LinearizeForCausalLM.forward`) and its length in `linearize_filled`, so its graph holds the
+    in-place write, no allocation, and no view of the cache as an input: only the whole buffers,
+    whose strides follow from their sizes. After the first growth their capacity is a symbolic size
+    and later growths reuse the graph. 48 ms against 64 ms per step for the 3:1 student at 16K,
+    where the graph used to concatenate.
     """
 
     def reserve(self, tokens: int, like: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
