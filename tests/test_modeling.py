@@ -744,6 +744,27 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monk
     assert any(type(layer) is modeling_linearize.ReservedDynamicLayer for layer in out.cache.layers) == (FULL in layer_types)
 
 
+@torch.no_grad()
+def test_compiled_decoding_of_a_padded_batch_through_growing_rooms(monkeypatch):
+    """Two rows, one left-padded (the softmax layer's step takes SDPA's masked path inside the graph),
+    past two growths of the reserved room: the eager model's tokens and logits."""
+    torch.set_num_threads(2)
+    torch._dynamo.reset()
+    monkeypatch.setattr(modeling_linearize, "RESERVE_MIN", 4)
+    model = make_model([LIN, FULL, LIN], {"window": 4, "sink": 2, "chunk_size": 16})
+    ids = random_ids(2, 9, seed=3)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    want = model.generate(ids, **kwargs)
+    got = model.compile_decoding().generate(ids, **kwargs)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    for a, b in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    softmax = got.cache.layers[1]
+    assert type(softmax) is modeling_linearize.ReservedDynamicLayer and softmax.linearize_room[0].shape[-2] > 9 + 4 + 1
+
+
 @pytest.mark.parametrize("layer_types", [[LIN, LIN], [LIN, FULL]], ids=["all-linear", "hybrid"])
 @torch.no_grad()
 def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(layer_types, monkeypatch):
