@@ -1114,12 +1114,13 @@ def split_decode_attention(
         or any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sliding_window", "position_bias"))
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    group, blocks, Dv = H // Hkv, SPLIT_DECODE_BLOCKS, value.shape[-1]
+    group, Dv = H // Hkv, value.shape[-1]
     q = (query.reshape(B, Hkv, group, D) * (D**-0.5 if scaling is None else scaling)).to(key.dtype)
     if compiling:
         weights = torch.matmul(q, key.transpose(-1, -2)).float().softmax(-1)
         out = torch.matmul(weights.to(value.dtype), value)
         return out.reshape(B, H, 1, Dv).transpose(1, 2), None
+    blocks = SPLIT_DECODE_BLOCKS
     even = T // blocks * blocks
     out = query.new_empty(B, Hkv, group, Dv)
     for b in range(B):  # per KV head: its cache rows are contiguous, so the blocks are views, not copies
