@@ -66,6 +66,11 @@ PADDING_KWARG = "linearize_padding_mask"  # how the 2D padding mask reaches the 
 RESERVE_MIN = 256  # positions of room a softmax layer's cache reserves at least (ReservedDynamicLayer)
 SPLIT_GEMV_MIN = 1 << 16  # weights with fewer elements than this stay as they are (SplitGemvLinear)
 SPLIT_GEMV_ROWS = 64  # up to this many rows (decoding batches) the split product beat the library's GEMM here
+# Compiled, weights of this many elements (16 MiB in fp32) or more keep the library's GEMV: on SmolLM2's
+# 49K x 576 head it read 26.2 GB/s streamed against 23.7 for inductor's fused one (32.9 -> 31.9 ms per
+# all-linear step), and one call's dispatch is nothing beside its read; on the 0.9M-element MLP weights
+# the library's calls cost 1.3 ms a step more.
+LIBRARY_GEMV_MIN = 1 << 22
 SPLIT_DECODE_MIN_KEYS = 2048  # shorter softmax caches keep SDPA's own kernel, as fast there
 SPLIT_DECODE_BLOCKS = 8  # key blocks per KV head in split_decode_attention: work for every thread
 SPLIT_DECODE = "linearize_split_decode"  # the name softmax layers see for SDPA (SoftmaxAttentionConfig)
@@ -80,6 +85,12 @@ COMPILED_STEP_OPTIONS = {
     # Lets the C++ compiler fuse each multiply-and-add into one FMA: the fused GEMVs' inner loop is one
     # instruction shorter, 34.7 -> 33.2 ms per all-linear step (results move by rounding only).
     "cpp.enable_floating_point_contract_flag": "fast",
+    # Element-wise chains of more than 8 ops are stored once instead of recomputed inside their reader's
+    # loop (inductor's CPU default is 50). Otherwise a GEMV recomputes its input per weight row (the
+    # window/state mix before o_proj, the RMSNorm before q/k/v and the head) and the window scores
+    # recompute the rotary cos/sin per key: 34.7 -> 32.9 ms per all-linear step (6 did as well as 8;
+    # 3, 10, 12 and 16 were slower).
+    "realize_opcount_threshold": 8,
 }
 
 
@@ -1030,7 +1041,8 @@ class SplitGemvLinear(nn.Linear):
       change) and multiplied as `threads` batched slices of its input dimension, summed, reads
       20-35 GB/s, and stays ahead for batches up to SPLIT_GEMV_ROWS rows.
     - Compiled (`LinearizeForCausalLM.compile_decoding`, weights row-major): one row is a multiply and
-      a sum over the input dimension, which inductor fuses into one reduction over all threads.
+      a sum over the input dimension, which inductor fuses into one reduction over all threads; a
+      weight of LIBRARY_GEMV_MIN elements or more (the output head) keeps the library's GEMV.
     Anything else (autograd, more rows, another device) takes `nn.Linear`'s own path.
     """
 
@@ -1040,7 +1052,7 @@ class SplitGemvLinear(nn.Linear):
         if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return super().forward(x)
         if torch.compiler.is_compiling():
-            if rows != 1 or not weight.is_contiguous():
+            if rows != 1 or not weight.is_contiguous() or weight.numel() >= LIBRARY_GEMV_MIN:
                 return super().forward(x)
             y = (weight * x.reshape(1, -1)).sum(-1)
         else:

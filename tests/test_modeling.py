@@ -821,6 +821,26 @@ def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(laye
         assert not any(re.search(r"extern_kernels\.\w+\(", code) for code in codes), "a product left to an extern kernel"
 
 
+@torch.no_grad()
+def test_compiled_split_gemv_leaves_only_the_largest_weights_to_the_library(monkeypatch):
+    """Compiled, a one-row product over a row-major weight fuses into inductor's own reduction, except
+    over a weight of LIBRARY_GEMV_MIN elements or more (the output head), which keeps the library's
+    GEMV; both give nn.Linear's answer."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(modeling_linearize, "LIBRARY_GEMV_MIN", 64 * 32)
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 32)
+    for out_features, extern in [(48, False), (64, True)]:
+        layer = torch.nn.Linear(32, out_features)
+        want = layer(x)
+        layer.__class__ = SplitGemvLinear
+        got, codes = run_and_get_code(torch.compile(layer, dynamic=False), x)
+        torch.testing.assert_close(got, want)
+        assert any(re.search(r"extern_kernels\.\w+\(", code) for code in codes) == extern, out_features
+
+
 def sdpa_calls(monkeypatch) -> list[int]:
     calls, sdpa = [], modeling_linearize.sdpa_attention_forward
     monkeypatch.setattr(modeling_linearize, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
