@@ -88,8 +88,8 @@ COMPILED_STEP_OPTIONS = {
     # Element-wise chains of more than 8 ops are stored once instead of recomputed inside their reader's
     # loop (inductor's CPU default is 50). Otherwise a GEMV recomputes its input per weight row (the
     # window/state mix before o_proj, the RMSNorm before q/k/v and the head) and the window scores
-    # recompute the rotary cos/sin per key: 34.7 -> 32.9 ms per all-linear step (6 did as well as 8;
-    # 3, 10, 12 and 16 were slower).
+    # recompute the rotary cos/sin per key: 34.7 -> 32.9 ms per all-linear step with the settings above,
+    # measured in a later session (6 did as well as 8; 3, 10, 12 and 16 were slower).
     "realize_opcount_threshold": 8,
 }
 
