@@ -601,6 +601,43 @@ def test_the_in_place_gla_step_equals_the_general_path(case, monkeypatch):
                 torch.testing.assert_close(got[slot], want[slot], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+def cache_tensors(cache: DynamicCache) -> list[torch.Tensor]:
+    """Every tensor a hybrid cache holds: the linear layers' states, the softmax layers' views and their rooms."""
+    found = []
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            found += [x for x in values if isinstance(x, torch.Tensor)]
+    return found
+
+
+@pytest.mark.parametrize("settings", [{"window": 4, "sink": 2}, {**DELTA, "window": 4, "sink": 2}], ids=["gla", "deltanet"])
+@torch.no_grad()
+def test_a_step_written_in_place_runs_in_inference_mode_and_leaves_ordinary_tensors(settings, monkeypatch):
+    """An eager decoding step whose cache is only written in place (`_gla_step` in every linear layer, the
+    softmax rooms made) runs under inference mode; the cache and the outputs stay ordinary tensors, so a
+    later prompt outside inference mode continues the same cache. Other steps run as called."""
+    monkeypatch.setattr(modeling_linearize, "RESERVE_MIN", 1)  # the softmax room grows during the steps
+    model = make_model([LIN, FULL, LIN], {**settings, "chunk_size": 16}, seed=3)
+    modes = []
+    model.linear_attentions[0].register_forward_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
+    ids = random_ids(1, 9, seed=70)
+    cache = DynamicCache(config=model.config)
+    model(ids, cache=cache)
+    for t in range(5):
+        token = random_ids(1, 1, seed=71 + t)
+        out = model(token, cache=cache, output_hidden_states=True)
+        ids = torch.cat([ids, token], dim=1)
+        assert not out.logits.is_inference() and not any(h.is_inference() for h in out.hidden_states)
+    out.logits.add_(1.0)  # an ordinary tensor takes in-place changes
+    assert modes[0] is False and modes[1:] == [settings.get("kind") != "deltanet"] * 5
+    assert not any(x.is_inference() for x in cache_tensors(cache))
+    more = random_ids(1, 3, seed=80)
+    cached = model(more, cache=cache).logits  # a prompt of several tokens: no inference mode, in-place writes
+    full = model(torch.cat([ids, more], dim=1)).logits[:, -3:]
+    torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
+
+
 @torch.no_grad()
 def test_a_reserved_softmax_cache_appends_in_place_and_honours_outside_changes():
     """`ReservedDynamicLayer` returns what transformers' `DynamicLayer` returns for the same updates, writes
