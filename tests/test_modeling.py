@@ -779,6 +779,7 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monk
     assert large and all(type(m) is SplitGemvLinear and m.weight.is_contiguous() for m in large)
     assert not model.cpu_decode_layout
     assert any(type(layer) is modeling_linearize.ReservedDynamicLayer for layer in out.cache.layers) == (FULL in layer_types)
+    assert not any(x.is_inference() for x in cache_tensors(out.cache)), "the graph ran in inference mode, writing in place"
 
 
 @torch.no_grad()
@@ -800,6 +801,7 @@ def test_compiled_decoding_of_a_padded_batch_through_growing_rooms(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     softmax = got.cache.layers[1]
     assert type(softmax) is modeling_linearize.ReservedDynamicLayer and softmax.linearize_room[0].shape[-2] > 9 + 4 + 1
+    assert not any(x.is_inference() for x in cache_tensors(got.cache)), "the rooms grew outside inference mode"
 
 
 def calls_an_extern_kernel(codes: list[str]) -> bool:
