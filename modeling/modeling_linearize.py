@@ -1282,10 +1282,11 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         step = embeds is not None and embeds.shape[1] == 1 and not self.training and not torch.is_grad_enabled()
         forward, in_place = self._forward, False
         if step and self.compiled_step is not None and cache is not None and self._settled(cache):
-            forward, in_place = self.compiled_step, True
+            forward = self.compiled_step
             for layer in cache.layers:  # a full room grows here, eagerly: the graph only writes in place
                 if isinstance(layer, ReservedDynamicLayer) and layer.is_initialized:
                     layer.reserve_before_graph()
+            in_place = self._step_writes_in_place(cache)
         elif step:
             if not self.cpu_decode_layout and self.compiled_step is None and self.device.type == "cpu":
                 lay_out_for_cpu_decode(self, column_major=True)
@@ -1309,9 +1310,9 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         return out if (getattr(self.config, "return_dict", True) if return_dict is None else return_dict) else out.to_tuple()
 
     def _step_writes_in_place(self, cache: Cache) -> bool:
-        """Whether this eager decoding step makes no cache tensor: every linear layer takes `LinearAttention._gla_step`
-        (state, ring and sinks settled, all written in place) and every softmax layer's room holds its token,
-        made here first if need be (as `reserve_before_graph` makes it for the compiled step)."""
+        """Whether this decoding step makes no cache tensor: every linear layer takes `LinearAttention._gla_step`
+        (state, ring and sinks settled, all written in place; other kinds store new states) and every softmax
+        layer's room holds its token, made here first if need be (as `reserve_before_graph` makes it)."""
         for attention in self.linear_attentions:
             layer = cache.layers[attention.layer_idx]
             if not attention._steps_in_place(layer, cache, tokens_seen(layer)):
