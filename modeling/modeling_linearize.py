@@ -1292,6 +1292,10 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
                 lay_out_for_cpu_decode(self, column_major=True)
                 self.cpu_decode_layout = True
             in_place = cache is not None and self._step_writes_in_place(cache)
+            if in_place:
+                for layer in cache.layers:  # the token's room, made outside inference mode
+                    if isinstance(layer, ReservedDynamicLayer):
+                        layer.reserve(1)
         return_dict = kwargs.pop("return_dict", None)
         args = (input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep)
         if in_place:
@@ -1310,19 +1314,17 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         return out if (getattr(self.config, "return_dict", True) if return_dict is None else return_dict) else out.to_tuple()
 
     def _step_writes_in_place(self, cache: Cache) -> bool:
-        """Whether this decoding step makes no cache tensor: every linear layer takes `LinearAttention._gla_step`
+        """Whether this decoding step can make no cache tensor: every linear layer takes `LinearAttention._gla_step`
         (state, ring and sinks settled, all written in place; other kinds store new states) and every softmax
-        layer's room holds its token, made here first if need be (as `reserve_before_graph` makes it)."""
+        layer is a started `ReservedDynamicLayer`, whose room for the token the caller makes first."""
         for attention in self.linear_attentions:
             layer = cache.layers[attention.layer_idx]
             if not attention._steps_in_place(layer, cache, tokens_seen(layer)):
                 return False
-        for layer in cache.layers:
-            if isinstance(layer, ReservedDynamicLayer) and layer.is_initialized:
-                layer.reserve(1)
-            elif not isinstance(layer, LinearAttentionCacheLayerMixin):
-                return False
-        return True
+        return all(
+            isinstance(layer, LinearAttentionCacheLayerMixin) or (isinstance(layer, ReservedDynamicLayer) and layer.is_initialized)
+            for layer in cache.layers
+        )
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep, **kwargs):
         """`forward` past its cache and layout set-up: what `compile_decoding` compiles."""
