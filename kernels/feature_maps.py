@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .gla_torch import step_bmm
+from .gla_torch import as_dtype, step_bmm
 from .ops import kernel_backend
 
 try:
@@ -52,12 +52,12 @@ def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch
     """
     if _fused(x) and hedgehog_fusable(x, weight, bias):
         return hedgehog_triton(x, weight, bias)
-    dtype = torch.promote_types(x.dtype, weight.dtype)
+    dtype = x.dtype if x.dtype == weight.dtype else torch.promote_types(x.dtype, weight.dtype)
     B, H, T, D = x.shape
     # One matmul batched over heads with the bias folded in (see `per_head_matmul`).
-    z = step_bmm(x.to(dtype).transpose(0, 1).reshape(H, B * T, D), weight.to(dtype), add=bias.to(dtype)[:, None, :])
+    z = step_bmm(as_dtype(x, dtype).transpose(0, 1).reshape(H, B * T, D), as_dtype(weight, dtype), add=as_dtype(bias, dtype).unsqueeze(1))
     z = z.view(H, B, T, -1).transpose(0, 1)
-    return torch.stack([z, -z], dim=-2).softmax(-1).flatten(-2).to(x.dtype)
+    return as_dtype(torch.stack([z, -z], dim=-2).softmax(-1).flatten(-2), x.dtype)
 
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import os
 import torch
 
 from .delta_torch import delta_chunked, delta_recurrent
-from .gla_torch import gla_chunked, gla_parallel, gla_recurrent
+from .gla_torch import as_dtype, gla_chunked, gla_parallel, gla_recurrent
 
 try:
     from .delta_triton import chunk_delta_triton, fused_recurrent_delta_triton
@@ -30,7 +30,7 @@ NORMALIZER_EPS = 1e-6
 
 def with_normalizer(v: torch.Tensor) -> torch.Tensor:
     """v with a column of ones appended: run through the kernel, that column of the state is `z`."""
-    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    return torch.nn.functional.pad(v, (0, 1), value=1.0)
 
 
 def normalize_output(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ def gated_linear_attention(
         o, state = gla_recurrent(q, k, v, g, scale, initial_state)
     else:
         o, state = gla_chunked(q, k, v, g, scale, initial_state, chunk_size)
-    state = state.to(state_dtype)
+    state = as_dtype(state, state_dtype)
     if normalize and divide:
         o = normalize_output(o[..., :-1], o[..., -1:])
     return o, state
