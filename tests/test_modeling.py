@@ -730,21 +730,49 @@ def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tm
     assert out.sequences[0, PROMPT:].tolist() == expected[0].tolist()
     for got, want in zip(out.logits, expected_logits, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    linear = model.model.layers[0].self_attn
+    projections = [linear.q_proj, linear.k_proj, linear.v_proj]
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
     assert model.cpu_decode_layout and large and calls
-    assert all(type(m) is SplitGemvLinear and m.weight.t().is_contiguous() for m in large)
+    assert all(type(m) is SplitGemvLinear and m.weight.t().is_contiguous() for m in large if m not in projections)
+    # The linear layer's q/k/v weights are column slices of one column-major tensor: one product a step.
+    columns = linear.qkv_columns
+    assert columns is not None and columns.is_contiguous()
+    assert torch.equal(columns.t(), torch.cat([before[f"model.layers.0.self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")]))
+    offsets = [proj.weight.data_ptr() - columns.data_ptr() for proj in projections]
+    assert offsets == [0, linear.q_proj.out_features * 4, (linear.q_proj.out_features + linear.k_proj.out_features) * 4]
     assert {name: p for name, p in model.named_parameters()} == before, "the same parameter objects"
     assert model.lm_head.weight is model.model.embed_tokens.weight
     model.save_pretrained(tmp_path)
-    assert all(m.weight.is_contiguous() for m in large) and not model.cpu_decode_layout
+    assert all(m.weight.is_contiguous() for m in large) and not model.cpu_decode_layout and linear.qkv_columns is None
     reloaded = LinearizeForCausalLM.from_pretrained(tmp_path)
     for name, tensor in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
     model.generate(ids, max_new_tokens=2, do_sample=False)
-    assert model.cpu_decode_layout
+    assert model.cpu_decode_layout and linear.qkv_columns is not None
     model.train()
-    assert all(m.weight.is_contiguous() for m in large) and not model.cpu_decode_layout
+    assert all(m.weight.is_contiguous() for m in large) and not model.cpu_decode_layout and linear.qkv_columns is None
     model.eval()
+
+
+@torch.no_grad()
+def test_a_fused_projection_left_stale_by_a_conversion_is_dropped():
+    """A round trip through float64 gives the q/k/v parameters new fp32 tensors: the old fused columns,
+    of the same dtype again, must not serve the next step (a changed weight shows it), and are dropped."""
+    torch.set_num_threads(2)
+    model = make_model([LIN, FULL], {"window": 4, "chunk_size": 16})
+    ids = random_ids(1, PROMPT, seed=13)
+    model.generate(ids, max_new_tokens=2, do_sample=False)
+    linear = model.model.layers[0].self_attn
+    assert linear.qkv_columns is not None
+    model.double().float()
+    linear.q_proj.weight.mul_(1.5)
+    expected, expected_logits = greedy_by_recomputation(model, ids, NEW)
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert out.sequences[0, PROMPT:].tolist() == expected[0].tolist()
+    for got, want in zip(out.logits, expected_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert linear.qkv_columns is None
 
 
 @pytest.mark.parametrize("layer_types", [[LIN, FULL], [LIN, LIN]], ids=["hybrid", "all-linear"])
