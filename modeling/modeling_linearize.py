@@ -758,6 +758,8 @@ class LinearAttention(nn.Module):
         if layer is not None:
             record_seen(layer, start + T)
             layer.has_previous_state[STATES["memory"]] = True
+            if self.sink and self._has_gla_step():
+                self.join_window(layer, cache)
         keep = valid[:, None, :, None]
         v = v * keep
         if g is not None:
@@ -808,12 +810,21 @@ class LinearAttention(nn.Module):
         mix = torch.lerp(as_dtype(o, w.dtype), as_dtype(win, w.dtype), w)
         return normalize_output(mix[..., :-1], mix[..., -1:])
 
+    def _has_gla_step(self) -> bool:
+        """Whether this layer's kind and settings have `_gla_step` (GLA, a window, the shared normalizer)."""
+        return (
+            self.kind == "gla"
+            and bool(self.window)
+            and self.normalize
+            and self.map_name != "performer"
+            and not self.conv_size
+            and self.form is None
+        )
+
     def _steps_in_place(self, layer, cache, start: int) -> bool:
         """Whether a one-token step can take `_gla_step`: GLA with a window and the shared normalizer,
         no gradient, a running state and ring, and sinks (if any) full and older than the window."""
-        if not (self.kind == "gla" and self.window and self.normalize and self.map_name != "performer"):
-            return False
-        if self.conv_size or self.form is not None or torch.is_grad_enabled():
+        if not self._has_gla_step() or torch.is_grad_enabled():
             return False
         if self._state(cache, "memory") is None or self._state(cache, "window_kv") is None:
             return False
@@ -853,12 +864,62 @@ class LinearAttention(nn.Module):
         ring_valid[:, here] = True if padding is None else padding[:, -1:].bool()
         if unrotated is not None:
             unrotated[:, :, here] = k_feat
-        sinks = self._state(cache, "sink_kv") if self.sink else None
-        win, _ = window_step_terms(
-            q, ring[:, :, 0], ring[:, :, 1], ring_valid, self.scaling, None if sinks is None else sinks.unbind(2)
-        )
+        joined = self._joined_window(layer, cache)
+        if joined is not None:  # sinks and ring side by side: one product for the scores, one for the values
+            kv, valid = joined
+            win, _ = window_step_terms(q, kv[:, :, 0], kv[:, :, 1], valid, self.scaling)
+        else:
+            sinks = self._state(cache, "sink_kv") if self.sink else None
+            win, _ = window_step_terms(
+                q, ring[:, :, 0], ring[:, :, 1], ring_valid, self.scaling, None if sinks is None else sinks.unbind(2)
+            )
         record_seen(layer, start + 1)
         return self._share_normalizer(o, win)
+
+    def join_window(self, layer, cache: Cache) -> None:
+        """Lay the sinks and the ring out side by side for `_gla_step`, once the sinks are full.
+
+        The cached sinks [B, Hkv, 2, S, D] and ring [B, Hkv, 2, W, D] become views of one tensor, and
+        the ring's validity [B, W] a view of one [B, S + W] whose first S (the full sinks) are True:
+        a step then scores and weighs all S + W keys with one product each. The cache copies what is
+        stored later into these same tensors, so they stay joined until something replaces them (a beam
+        reorder, a batch selection, offloading); the next multi-token step or refill joins them anew.
+        Called where the states were stored (the general path), so decoding steps keep their addresses.
+        """
+        if (
+            getattr(layer, "linearize_last_sink", None) is None
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or self._joined_window(layer, cache) is not None
+        ):
+            return
+        sinks, ring, ring_valid = (self._state(cache, name) for name in ("sink_kv", "window_kv", "window_valid"))
+        kv = torch.cat([sinks, ring], dim=3)
+        valid = torch.cat([ring_valid.new_ones(ring_valid.shape[0], self.sink), ring_valid], dim=1)
+        # The states themselves become the views (storing would copy into the old tensors).
+        layer.recurrent_states[STATES["sink_kv"]] = kv[:, :, :, : self.sink]
+        layer.recurrent_states[STATES["window_kv"]] = kv[:, :, :, self.sink :]
+        layer.recurrent_states[STATES["window_valid"]] = valid[:, self.sink :]
+        layer.linearize_joined = (kv, valid)
+
+    def _joined_window(self, layer, cache: Cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sinks and ring as `join_window` laid them out, if the cached states are still its views;
+        never inside a compiled step (its graph reads the states as they are)."""
+        joined = getattr(layer, "linearize_joined", None)
+        if joined is None or torch.compiler.is_compiling():
+            return None
+        kv, valid = joined
+        sinks, ring, ring_valid = (self._state(cache, name) for name in ("sink_kv", "window_kv", "window_valid"))
+        if sinks is None or ring is None or ring_valid is None:
+            return None
+        offset = self.sink * kv.stride(3) * kv.element_size()
+        apart = (
+            sinks.data_ptr() != kv.data_ptr()
+            or ring.data_ptr() != kv.data_ptr() + offset
+            or ring_valid.data_ptr() != valid.data_ptr() + self.sink * valid.element_size()
+            or ring.shape[3] + self.sink != kv.shape[3]
+        )
+        return None if apart else joined
 
     def _through_window(self, layer, cache, q, k, v, payload, valid, start):
         """The window's softmax terms, and what leaves the window into the state: (payload, valid, terms).

@@ -594,6 +594,18 @@ def test_the_in_place_gla_step_equals_the_general_path(case, monkeypatch):
             slow = model(token, attention_mask=mask, cache=general).logits
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
     assert len(taken) >= 2 * 2 if STEP_CASES[case].get("sink") else len(taken) == 6 * 2, "the in-place step was taken"
+    first, layer = model.model.layers[0].self_attn, cache.layers[0]
+    # With sinks, the prompt left them and the ring side by side (one product a step); a beam reorder
+    # replaces the states, and the next step reads them apart, to the same logits.
+    assert (first._joined_window(layer, cache) is not None) == bool(STEP_CASES[case].get("sink"))
+    cache.reorder_cache(torch.tensor([1, 0])), general.reorder_cache(torch.tensor([1, 0]))
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+    fast = model(random_ids(2, 1, seed=70), attention_mask=mask, cache=cache).logits
+    with monkeypatch.context() as m:
+        m.setattr(LinearAttention, "_steps_in_place", lambda *a: False)
+        slow = model(random_ids(2, 1, seed=70), attention_mask=mask, cache=general).logits
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    assert first._joined_window(layer, cache) is None
     for index in (0, 2):
         got, want = cache.layers[index].recurrent_states, general.layers[index].recurrent_states
         for name, slot in STATES.items():
