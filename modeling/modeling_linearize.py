@@ -147,7 +147,7 @@ class LowRankGate(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.up(self.down(hidden_states))
-        g = F.logsigmoid(logits.float()) / self.normalizer
+        g = F.logsigmoid(as_dtype(logits, torch.float32)) / self.normalizer
         g = g.clamp_min(MIN_LOG_DECAY).view(*hidden_states.shape[:2], self.heads, self.channels)
         return g.transpose(1, 2)
 
@@ -597,7 +597,7 @@ class LinearAttention(nn.Module):
         D, family = self.head_dim, self.family
         columns = self._fused_columns(hidden_states) if family.qkv == "separate" else None
         if columns is not None:
-            q, k, v = split_gemv(hidden_states.reshape(B * T, -1), columns).view(B, T, -1).split(
+            q, k, v = split_gemv(hidden_states, columns).view(B, T, -1).split(
                 [self.n_heads * D, self.n_kv_heads * D, self.n_kv_heads * D], -1
             )
             if self.q_proj.bias is not None:
@@ -1147,10 +1147,14 @@ def reserve_softmax_layers(cache: Cache) -> None:
 
 
 def split_gemv(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ columns [in, out] (contiguous: a column-major weight's transpose) as one batched product
-    over as many slices of the input dimension as there are threads, then summed (see `SplitGemvLinear`)."""
-    parts = math.gcd(x.shape[-1], torch.get_num_threads())
-    return torch.bmm(x.reshape(x.shape[0], parts, -1).transpose(0, 1), columns.view(parts, -1, columns.shape[1])).sum(0)
+    """x [..., in] @ columns [in, out] (contiguous: a column-major weight's transpose) -> [rows, out], as one
+    batched product over as many slices of the input dimension as there are threads, then summed (see
+    `SplitGemvLinear`). One row, the usual decoding step, is sliced by a single view: every op counts there."""
+    width, out = columns.shape
+    parts = math.gcd(width, torch.get_num_threads())
+    rows = x.numel() // width
+    slices = x.reshape(parts, 1, -1) if rows == 1 else x.reshape(rows, parts, -1).transpose(0, 1)
+    return torch.bmm(slices, columns.view(parts, -1, out)).sum(0)
 
 
 class SplitGemvLinear(nn.Linear):
@@ -1178,9 +1182,10 @@ class SplitGemvLinear(nn.Linear):
                 return super().forward(x)
             y = (weight * x.reshape(1, -1)).sum(-1)
         else:
-            if math.gcd(self.in_features, torch.get_num_threads()) == 1 or rows > SPLIT_GEMV_ROWS or not weight.t().is_contiguous():
+            columns = weight.t()
+            if math.gcd(self.in_features, torch.get_num_threads()) == 1 or rows > SPLIT_GEMV_ROWS or not columns.is_contiguous():
                 return super().forward(x)
-            y = split_gemv(x.reshape(rows, -1), weight.t())
+            y = split_gemv(x, columns)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
