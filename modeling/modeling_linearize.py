@@ -534,6 +534,7 @@ class LinearAttention(nn.Module):
         self.teacher_attention = False  # run the teacher's softmax instead (training's KL target, the teacher's scores)
         self.checkpoint_linear = False  # recompute the linear path in backward (inside a recomputed decoder layer)
         self.qkv_columns: torch.Tensor | None = None  # q/k/v_proj's weights as one tensor (`lay_out_projections`)
+        self.joins_window = True  # sinks and ring side by side for the eager step (`join_window`)
         D = self.head_dim
         if self.map_name == "hedgehog":
             width = settings["feature_dim"] or D
@@ -758,7 +759,7 @@ class LinearAttention(nn.Module):
         if layer is not None:
             record_seen(layer, start + T)
             layer.has_previous_state[STATES["memory"]] = True
-            if self.sink and self._has_gla_step():
+            if self.sink and self.joins_window and self._has_gla_step():
                 self.join_window(layer, cache)
         keep = valid[:, None, :, None]
         v = v * keep
@@ -1503,6 +1504,8 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             lay_out_for_cpu_decode(self, column_major=False, smallest=0)
         if options.get("backend", "inductor") == "inductor":
             options["options"] = COMPILED_STEP_OPTIONS | (options.get("options") or {})
+        for attention in self.linear_attentions:  # the graph reads sinks and ring apart: joined, their strides cost ~1%
+            attention.joins_window = False
         self.compiled_step = torch.compile(self._forward, **options)
         return self
 

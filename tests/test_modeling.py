@@ -820,6 +820,7 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monk
     assert not model.cpu_decode_layout
     assert any(type(layer) is modeling_linearize.ReservedDynamicLayer for layer in out.cache.layers) == (FULL in layer_types)
     assert not any(x.is_inference() for x in cache_tensors(out.cache)), "the graph ran in inference mode, writing in place"
+    assert getattr(out.cache.layers[0], "linearize_joined", None) is None, "a compiled step reads sinks and ring apart"
 
 
 @torch.no_grad()
