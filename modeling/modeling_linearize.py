@@ -620,18 +620,13 @@ class LinearAttention(nn.Module):
         """With `fused`, q/k/v_proj's weights become column slices of one column-major [in, q + k + v] tensor,
         `qkv_columns`, so an eager CPU decoding step projects with one split GEMV instead of three: 1.6 ms
         off a 46 ms 3:1 step at 1K on 2 cores (each GEMV also pays to wake the threads). The parameters
-        keep their objects and values (only `.data` changes, as in `lay_out_for_cpu_decode`); without
-        `fused` each gets its own row-major tensor back. Only plain linears on the CPU fuse."""
+        keep their objects and values (only `.data` changes, as in `lay_out_for_cpu_decode`, which also
+        gives each its own row-major tensor back). Only plain linears on the CPU fuse."""
         self.qkv_columns = None
-        if self.family.qkv != "separate":
+        if not fused or self.family.qkv != "separate":
             return
         projections = (self.q_proj, self.k_proj, self.v_proj)
         weights = [proj.weight for proj in projections]
-        if not fused:
-            for weight in weights:
-                if not weight.is_contiguous():
-                    weight.data = weight.data.contiguous()
-            return
         if (
             any(type(proj) not in (nn.Linear, SplitGemvLinear) for proj in projections)
             or any(w.device.type != "cpu" or w.dtype != weights[0].dtype or not w.is_floating_point() for w in weights)
@@ -1204,17 +1199,14 @@ def lay_out_for_cpu_decode(model: nn.Module, column_major: bool, smallest: int |
     smallest = SPLIT_GEMV_MIN if smallest is None else smallest
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (
-            type(module) not in (nn.Linear, SplitGemvLinear)
-            or not weight.is_floating_point()
-            or weight.numel() < smallest
-            or weight.device.type != "cpu"
-        ):
+        if type(module) not in (nn.Linear, SplitGemvLinear) or not weight.is_floating_point() or weight.device.type != "cpu":
+            continue
+        if not column_major and not weight.is_contiguous():  # any size: fused q/k/v slices (`lay_out_projections`) too
+            weight.data = weight.data.contiguous()
+        if weight.numel() < smallest:
             continue
         if column_major and not weight.t().is_contiguous():
             weight.data = weight.data.t().contiguous().t()
-        elif not column_major and not weight.is_contiguous():
-            weight.data = weight.data.contiguous()
         module.__class__ = SplitGemvLinear
     for module in model.modules():
         if isinstance(module, LinearAttention):
