@@ -66,11 +66,6 @@ PADDING_KWARG = "linearize_padding_mask"  # how the 2D padding mask reaches the 
 RESERVE_MIN = 256  # positions of room a softmax layer's cache reserves at least (ReservedDynamicLayer)
 SPLIT_GEMV_MIN = 1 << 16  # weights with fewer elements than this stay as they are (SplitGemvLinear)
 SPLIT_GEMV_ROWS = 64  # up to this many rows (decoding batches) the split product beat the library's GEMM here
-# Compiled, weights of this many elements (16 MiB in fp32) or more keep the library's GEMV: on SmolLM2's
-# 49K x 576 head it read 26.2 GB/s streamed against 23.7 for inductor's fused one (32.9 -> 31.9 ms per
-# all-linear step), and one call's dispatch is nothing beside its read; on the 0.9M-element MLP weights
-# the library's calls cost 1.3 ms a step more.
-LIBRARY_GEMV_MIN = 1 << 22
 SPLIT_DECODE_MIN_KEYS = 2048  # shorter softmax caches keep SDPA's own kernel, as fast there
 SPLIT_DECODE_BLOCKS = 8  # key blocks per KV head in split_decode_attention: work for every thread
 SPLIT_DECODE = "linearize_split_decode"  # the name softmax layers see for SDPA (SoftmaxAttentionConfig)
@@ -1163,8 +1158,10 @@ class SplitGemvLinear(nn.Linear):
       change) and multiplied as `threads` batched slices of its input dimension, summed, reads
       20-35 GB/s, and stays ahead for batches up to SPLIT_GEMV_ROWS rows.
     - Compiled (`LinearizeForCausalLM.compile_decoding`, weights row-major): one row is a multiply and
-      a sum over the input dimension, which inductor fuses into one reduction over all threads; a
-      weight of LIBRARY_GEMV_MIN elements or more (the output head) keeps the library's GEMV.
+      a sum over the input dimension, which inductor fuses into one reduction over all threads, at
+      every size. The library's GEMV over the same row-major weight varies far more between CPUs:
+      on SmolLM2's 49K x 576 head it read 26.2 GB/s on one machine (inductor's 23.7) and 11.2 GB/s
+      on another (inductor's 31.2), where it cost 7 ms of a 31 ms all-linear step.
     Anything else (autograd, more rows, another device) takes `nn.Linear`'s own path.
     """
 
@@ -1174,7 +1171,7 @@ class SplitGemvLinear(nn.Linear):
         if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return super().forward(x)
         if torch.compiler.is_compiling():
-            if rows != 1 or not weight.is_contiguous() or weight.numel() >= LIBRARY_GEMV_MIN:
+            if rows != 1 or not weight.is_contiguous():
                 return super().forward(x)
             y = (weight * x.reshape(1, -1)).sum(-1)
         else:
