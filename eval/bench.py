@@ -23,10 +23,14 @@ Method (the same for both models, in one process):
 - Bandwidth bound: a decoding step must read every weight once (the input embedding only for its
   B rows, unless the output head shares it) and the whole cache. Those bytes over the machine's
   read bandwidth give the ideal tokens/s; `bound_fraction` is the measured tokens/s over it. The
-  bandwidth (`read_bandwidth`: the best of a few sums over a buffer far larger than the caches) is
-  measured before the points and again after every decode round, since it drifts with the machine
-  as the rates do, and every point's bound takes the best of all: the strictest bound. The cache
-  read is the cache after decoding, so the bound is slightly strict too.
+  bandwidth (`read_bandwidth`: the best of two sums over a buffer far larger than the caches) is
+  measured after every decode round, and a point's bound spends each round's steps at the bandwidth
+  measured right after it (`paired_bandwidth`), so rate and bound come from the same stretch of time,
+  as the interleaving does for the speedup. A shared machine's bandwidth can switch between levels
+  within seconds (about 32 and 55 GB/s on one 2-core host), and a rate spanning both levels, held against
+  the best figure of the whole run, would read the switching as slowness. Every sample is kept in
+  the point (`bandwidth_samples_bytes_s`). The cache read is the cache after decoding, so the bound
+  is slightly strict.
 - Points whose predicted cache would not fit in the free memory are skipped, not crashed into.
 - Each model gets one small warm-up point first, so one-time costs are not timed.
 """
@@ -254,18 +258,16 @@ def bench_models(
     decode_tokens: int = 32,
     seed: int = 0,
     progress: bool = True,
-    bandwidth: float | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Per model, one dict per (context, batch): timings, tokens/s, the bandwidth bound, peak memory, cache
     bytes, and `status` ("ok", "skipped: ..." when the predicted cache does not fit, "oom" when it ran out anyway).
 
-    At each point every model prefills the same ids in turn, then their decode rounds alternate (see the
-    module docstring). The bound's bandwidth is the best of `bandwidth` (bytes/s, if given) and the
-    measurements here, between decode rounds.
+    At each point every model prefills the same ids in turn, then their decode rounds alternate, and the
+    read bandwidth is sampled after each round for the point's bound (see the module docstring).
     """
     runners = {name: _Runner(model) for name, model in models.items()}
     device = next(iter(runners.values())).device
-    bandwidth = max(bandwidth or 0.0, read_bandwidth(device))
+    idle_bandwidth = read_bandwidth(device)  # also touches the buffer's pages; the bound without rounds
     sizes = {}
     for name, runner in runners.items():  # warm-up: first calls pay for lazy init, kernel selection, allocator growth
         runner.decode(*runner.prefill(torch.zeros(1, 16, dtype=torch.long, device=device)), 2)
@@ -306,6 +308,7 @@ def bench_models(
                 peak_mem_bytes=mem.peak_bytes,
                 memory_method=mem.method,
             )
+        samples = [_sample_bandwidth(device, idle_bandwidth)] if rounds else []
         for steps in rounds[1:]:
             for name, state in list(live.items()):
                 with _marks_oom(points[name][-1]):
@@ -315,8 +318,7 @@ def bench_models(
                     state["decode_s"] += seconds
                 if points[name][-1].get("status") == "oom":
                     del live[name]
-            with contextlib.suppress(torch.OutOfMemoryError):  # a device filled by the caches keeps the last figure
-                bandwidth = max(bandwidth, read_bandwidth(device, repeats=2))
+            samples.append(_sample_bandwidth(device, samples[-1]))
         for name, state in live.items():
             point, cache_bytes, decode_s = points[name][-1], cache_nbytes(state["cache"]), state["decode_s"]
             decode_tok_s = batch * decode_tokens / decode_s if decode_tokens else None
@@ -326,20 +328,37 @@ def bench_models(
                 decode_tok_s=decode_tok_s,
                 step_bytes=weight_bytes_per_step(models[name], batch) + cache_bytes,
                 cache_bytes=cache_bytes,
+                bandwidth_samples_bytes_s=samples,
             )
             log.debug("%s ctx=%d B=%d decode %.1f tok/s", name, context, batch, decode_tok_s or 0)
         del live, ids
         gc.collect()
     for point in (p for model_points in points.values() for p in model_points if p.get("status") == "ok"):
+        bandwidth = paired_bandwidth(rounds, point["bandwidth_samples_bytes_s"]) if rounds else idle_bandwidth
         bound_tok_s = point["batch"] * bandwidth / point["step_bytes"]
         rate = point["decode_tok_s"]
         point.update(bandwidth_bytes_s=bandwidth, bound_tok_s=bound_tok_s, bound_fraction=None if rate is None else rate / bound_tok_s)
     return points
 
 
-def best_bandwidth(points: dict[str, list[dict[str, Any]]]) -> float:
-    """The bandwidth (bytes/s) behind the points' bounds so far, 0.0 before any point has one."""
-    return max((p.get("bandwidth_bytes_s", 0.0) for model_points in points.values() for p in model_points), default=0.0)
+def _sample_bandwidth(device: torch.device, last: float) -> float:
+    """`read_bandwidth` between decode rounds; on a device that the caches filled, the `last` figure."""
+    try:
+        return read_bandwidth(device, repeats=2)
+    except torch.OutOfMemoryError:
+        return last
+
+
+def paired_bandwidth(rounds: Sequence[int], samples: Sequence[float]) -> float:
+    """The bandwidth at which reading a step's bytes takes as long, over all rounds, as reading them at each
+    round's own sample: steps over the sum of steps / bandwidth (a harmonic mean weighted by steps)."""
+    return sum(rounds) / sum(steps / bandwidth for steps, bandwidth in zip(rounds, samples, strict=True))
+
+
+def bandwidth_range(points: dict[str, list[dict[str, Any]]]) -> tuple[float, float] | None:
+    """(lowest, highest) bandwidth sampled at any point, bytes/s; None before any point decoded."""
+    samples = [b for model_points in points.values() for p in model_points for b in p.get("bandwidth_samples_bytes_s", ())]
+    return (min(samples), max(samples)) if samples else None
 
 
 def bench_model(model: PreTrainedModel, *args: Any, name: str = "model", **kwargs: Any) -> list[dict[str, Any]]:
@@ -512,10 +531,7 @@ def run_bench(
     schedule = "interleaved" if len(specs) > 1 else "one model"
 
     def bench_loaded() -> None:
-        # Models benched one after the other: the second's bound starts from the best bandwidth the first saw.
-        points.update(
-            bench_models(loaded, contexts, batch_sizes, decode_tokens, progress=progress, bandwidth=best_bandwidth(points))
-        )
+        points.update(bench_models(loaded, contexts, batch_sizes, decode_tokens, progress=progress))
         loaded.clear()
         gc.collect()
         if dev.type == "cuda":
@@ -535,6 +551,7 @@ def run_bench(
             loaded[role].compile_decoding()
     bench_loaded()
     rows = ratio_rows(points["student"], points.get("teacher"))
+    sampled = bandwidth_range(points)
     out = Path(student_dir)
     report = {
         "student": str(student_dir),
@@ -547,7 +564,7 @@ def run_bench(
         "decode_tokens": decode_tokens,
         "student_decoding": "compiled" if compile_student else "eager",
         "schedule": schedule,
-        "read_bandwidth_gb_s": best_bandwidth(points) / 1e9,
+        "read_bandwidth_range_gb_s": None if sampled is None else [b / 1e9 for b in sampled],
         "points": points,
         "rows": rows,
         "paths": {"json": str(out / "bench.json"), "png": str(out / "bench.png")},

@@ -16,6 +16,7 @@ from linearize.eval.bench import (
     bench_models,
     cache_nbytes,
     decode_rounds,
+    paired_bandwidth,
     parse_int_list,
     ratio_rows,
     read_bandwidth,
@@ -71,11 +72,21 @@ def test_bench_model_points_and_cache_size(model_dir):
         assert p["cache_bytes"] == kv_bytes(p["batch"], p["context"] + 2 + 3)  # 2 untimed steps, then 3 timed
         assert p["prefill_s"] > 0 and p["decode_tok_s"] > 0 and p["peak_mem_bytes"] >= 0
         assert p["step_bytes"] == weight_bytes_per_step(model, p["batch"]) + p["cache_bytes"]
+        assert len(p["bandwidth_samples_bytes_s"]) == len(decode_rounds(3))  # one sample after each round
+        assert p["bandwidth_bytes_s"] == pytest.approx(paired_bandwidth(decode_rounds(3), p["bandwidth_samples_bytes_s"]))
         assert p["bound_tok_s"] == pytest.approx(p["batch"] * p["bandwidth_bytes_s"] / p["step_bytes"])
         assert p["bound_fraction"] == pytest.approx(p["decode_tok_s"] / p["bound_tok_s"])
     rows = ratio_rows(points, points)
     assert all(r["cache_ratio"] == 1.0 and r["prefill_speedup"] == 1.0 for r in rows)
     assert ratio_rows(points, None)[0]["decode_speedup"] is None
+
+
+def test_a_bound_spends_each_rounds_steps_at_the_bandwidth_sampled_after_it():
+    # 2 steps at 10 GB/s and 1 at 40 take as long as 3 steps at 13.3: not the run's best figure (40).
+    assert paired_bandwidth([2, 1], [10e9, 40e9]) == pytest.approx(3 / (2 / 10e9 + 1 / 40e9))
+    assert paired_bandwidth([4, 4], [20e9, 20e9]) == pytest.approx(20e9)
+    with pytest.raises(ValueError):  # a sample per round, no more, no fewer
+        paired_bandwidth([1, 1], [20e9])
 
 
 def test_models_benched_together_take_turns_round_by_round(model_dir):
@@ -142,6 +153,8 @@ def test_bench_cli_writes_json_and_png(model_dir, capsys):
     assert bench_main(argv) == 0
     assert "speedup" in capsys.readouterr().out
     report = json.loads((model_dir / "bench.json").read_text())
+    low, high = report["read_bandwidth_range_gb_s"]
+    assert 0 < low <= high
     assert (model_dir / "bench.png").stat().st_size > 10_000
     assert report["teacher"] == str(model_dir) and len(report["rows"]) == 4
     assert set(report["points"]) == {"student", "teacher"}
