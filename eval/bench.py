@@ -267,7 +267,7 @@ def bench_models(
     """
     runners = {name: _Runner(model) for name, model in models.items()}
     device = next(iter(runners.values())).device
-    idle_bandwidth = read_bandwidth(device)  # also touches the buffer's pages; the bound without rounds
+    idle_bandwidth = read_bandwidth(device)  # the bound of points without decode rounds; a failed sample's fallback
     sizes = {}
     for name, runner in runners.items():  # warm-up: first calls pay for lazy init, kernel selection, allocator growth
         runner.decode(*runner.prefill(torch.zeros(1, 16, dtype=torch.long, device=device)), 2)
