@@ -174,13 +174,15 @@ def recipe_from_args(args: argparse.Namespace):
         "finetune.lora_layers": args.lora_layers,
         "eval.heldout_tokens": args.heldout_tokens,
     }
-    # Switching kind away from the recipe's: the new kind's own defaults, unless given.
-    defaults = {"performer": ("performer", "none", True), "gla": ("hedgehog", "lowrank", True), "deltanet": ("identity", "lowrank", False)}
+    # Switching kind away from the recipe's: the new kind's own defaults, unless given. The delta rule
+    # keeps GLA's normalized state where its features are positive (see `LinearAttention._delta`).
+    defaults = {"performer": ("performer", "none"), "gla": ("hedgehog", "lowrank"), "deltanet": ("identity", "lowrank")}
     if args.attention and recipe.attention.kind != args.attention:
-        feature_map, gate, normalize = defaults[args.attention]
-        overrides["attention.feature_map"] = args.feature_map or feature_map
+        feature_map, gate = defaults[args.attention]
+        feature_map = args.feature_map or feature_map
+        overrides["attention.feature_map"] = feature_map
         overrides["attention.gate"] = args.gate or gate
-        overrides["attention.normalize"] = normalize
+        overrides["attention.normalize"] = args.attention != "deltanet" or feature_map in ("hedgehog", "elu")
     for stage in ("transfer", "finetune"):
         for flag, key in (
             ("seq_len", "seq_len"),

@@ -31,7 +31,9 @@ LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     "gate": "lowrank",
     "gate_rank": 16,
     "decay_init": [0.995, 0.9998],  # lowrank gate: initial decays, spread over the key channels
-    "normalize": True,  # divide by phi(q).z
+    # Divide by phi(q).z. For deltanet: true keeps GLA's normalized state and its write, the delta rule
+    # erasing along the unit key before each write; false L2-normalizes q/k and adds its output.
+    "normalize": True,
     "window": 0,  # >0: softmax over the last `window` tokens mixed into every linear layer
     "sink": 0,  # with a window: the first `sink` tokens also stay in the softmax part (attention sinks)
     "chunk_size": 64,
@@ -147,8 +149,13 @@ def validate_linear_attention(settings: dict[str, Any]) -> None:
         raise ValueError(
             f"linear_attention.feature_map={settings['feature_map']!r}: use hedgehog, elu, identity, taylor or performer"
         )
-    if settings["kind"] == "deltanet" and (settings["normalize"] or settings["feature_map"] == "performer"):
-        raise ValueError("deltanet attention L2-normalizes its own q/k: set normalize=false and a non-performer feature_map")
+    if settings["kind"] == "deltanet" and settings["feature_map"] == "performer":
+        raise ValueError("deltanet attention does not take performer features: use hedgehog, elu, identity or taylor")
+    if settings["kind"] == "deltanet" and settings["normalize"] and settings["feature_map"] not in ("hedgehog", "elu"):
+        raise ValueError(
+            "deltanet with normalize=true keeps GLA's normalizer, which needs positive features: "
+            "use feature_map hedgehog or elu, or normalize=false"
+        )
     conv = settings["conv_size"]
     if isinstance(conv, bool) or not isinstance(conv, int) or conv < 0 or conv == 1:
         raise ValueError(f"linear_attention.conv_size={conv!r}: use 0 (no convolution) or a kernel size of at least 2")

@@ -288,13 +288,14 @@ LOADER = textwrap.dedent(
 
 KINDS = {
     "deltanet": {"kind": "deltanet", "feature_map": "identity", "normalize": False, "conv_size": 4, **SETTINGS},
+    "deltanet-normalized": {"kind": "deltanet", "feature_map": "hedgehog", "normalize": True, **SETTINGS},
     "gla-taylor-retnet": {"feature_map": "taylor", "feature_dim": 4, "gate": "retnet", **SETTINGS},
 }
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_other_kinds_export_and_generate_alike(kind, tmp_path):
-    """The delta rule and the Taylor map / RetNet gate: cached = uncached greedy, and the export reproduces it."""
+    """The delta rule (both forms) and the Taylor map / RetNet gate: cached = uncached greedy, and the export reproduces it."""
     student = randomize(linearize_model(make_teacher("llama"), [LIN, FULL, LIN, FULL], KINDS[kind])).eval()
     ids = ids_of(1, PROMPT, seed=11)
     with torch.no_grad():

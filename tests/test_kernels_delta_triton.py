@@ -32,6 +32,7 @@ CASES = {
     "gqa-gated-T45-chunk32-K32-V24": (1, 4, 2, 45, 32, 24, True, False, 32),
     "ungated-h0-T80-chunk64": (1, 2, 1, 80, 16, 16, False, True, 64),
     "ungated-T20-chunk16-K32-V32": (2, 2, 2, 20, 32, 32, False, False, 16),
+    "gqa-gated-h0-T29-chunk16-V17": (1, 4, 2, 29, 16, 17, True, True, 16),  # a normalized layer's V = D + 1
 }
 
 
@@ -127,13 +128,20 @@ def test_shape_errors_name_the_tensors() -> None:
         chunk_delta_triton(q, k, v, beta, g, initial_state=h0[..., :8])
 
 
-def test_deltanet_model_trains_the_same_on_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A delta-rule layer with a window, sinks and a short convolution gives the PyTorch forms' logits and
-    parameter gradients when its chunked form runs in Triton."""
+@pytest.mark.parametrize(
+    "form",
+    [
+        {"feature_map": "identity", "normalize": False, "conv_size": 4},
+        {"feature_map": "hedgehog", "normalize": True},  # GLA's state: a value column of ones, V + 1 wide
+    ],
+    ids=["added", "normalized"],
+)
+def test_deltanet_model_trains_the_same_on_triton(monkeypatch: pytest.MonkeyPatch, form: dict) -> None:
+    """A delta-rule layer with a window and sinks (and a short convolution) gives the PyTorch forms'
+    logits and parameter gradients when its chunked form runs in Triton."""
     from conftest import make_tiny_linearize
 
-    settings = {"kind": "deltanet", "feature_map": "identity", "normalize": False, "gate": "lowrank",
-                "window": 4, "sink": 2, "conv_size": 4, "chunk_size": 16}  # fmt: skip
+    settings = {"kind": "deltanet", "gate": "lowrank", "window": 4, "sink": 2, "chunk_size": 16, **form}
     model = make_tiny_linearize(["linear_attention", "full_attention"], settings).train()
     ids = torch.randint(2, 128, (2, 21), generator=torch.Generator().manual_seed(0))
     calls: list[int] = []

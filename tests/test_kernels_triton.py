@@ -434,7 +434,10 @@ def test_modules_import_without_gpu_or_interpreter() -> None:
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
-@pytest.mark.parametrize("case", [(1, 2, 2, 5, 16, 16, True, True), (2, 4, 2, 9, 16, 24, True, False), (1, 3, 1, 4, 32, 8, False, True)])
+@pytest.mark.parametrize(
+    "case",
+    [(1, 2, 2, 5, 16, 16, True, True), (2, 4, 2, 9, 16, 24, True, False), (1, 3, 1, 4, 32, 8, False, True), (1, 2, 1, 3, 16, 17, True, True)],
+)
 @torch.no_grad()
 def test_fused_recurrent_delta_matches_the_reference(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """The gated delta rule's Triton decoding step, directly and through the dispatch."""

@@ -7,6 +7,7 @@ on one CPU thread; the embedded 135M model is only used by test_export.py and te
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
@@ -148,6 +149,7 @@ def random_ids(*shape: int, seed: int = 0) -> torch.Tensor:
 # 1. the three forms compute the same thing, forward and backward
 
 DELTA = {"kind": "deltanet", "feature_map": "identity", "normalize": False, "gate": "lowrank"}
+DELTA_NORMALIZED = {"kind": "deltanet", "feature_map": "hedgehog", "normalize": True, "gate": "lowrank"}
 FORM_CASES = {
     "gla-hedgehog-lowrank": ([LIN, FULL, LIN], {"gate": "lowrank", "chunk_size": 16}),
     "gla-hedgehog-lowrank-window4": ([LIN, FULL, LIN], {"gate": "lowrank", "window": 4, "chunk_size": 16}),
@@ -175,6 +177,11 @@ FORM_CASES = {
         {**DELTA, "feature_map": "hedgehog", "gate": "key", "window": 4, "sink": 2, "conv_size": 4, "chunk_size": 16},
     ),
     "deltanet-window4-unrotated": ([LIN, LIN], {**DELTA, "window": 4, "rope_features": False, "chunk_size": 32}),
+    "deltanet-normalized-hedgehog-window4-sink2": (
+        [LIN, FULL],
+        {**DELTA_NORMALIZED, "window": 4, "sink": 2, "rope_features": False, "chunk_size": 16},
+    ),
+    "deltanet-normalized-elu-retnet": ([LIN, LIN], {**DELTA_NORMALIZED, "feature_map": "elu", "gate": "retnet", "chunk_size": 16}),
     "performer": ([LIN, FULL], {"kind": "performer", "feature_map": "performer", "chunk_size": 16}),
     "performer-window4": (
         [LIN, LIN],
@@ -207,6 +214,25 @@ def test_forms_equal_with_left_padding(case):
     model = make_model(layer_types, settings, seed=3)
     ids, mask = left_padded([random_ids(37, seed=1), random_ids(9, seed=2), random_ids(20, seed=3)])
     assert_forms_equal(model, ids, mask, forms=("chunk", "recurrent", None))
+
+
+@torch.no_grad()
+def test_normalized_delta_rule_without_erase_is_gla():
+    """The normalized delta rule keeps GLA's state and write: with its erase near zero it is GLA, and
+    the erase is what sets it apart."""
+    settings = {"feature_map": "hedgehog", "gate": "retnet", "window": 4, "sink": 2, "chunk_size": 16}
+    gla = make_model([LIN, FULL, LIN], settings, seed=1)
+    delta = make_tiny_linearize([LIN, FULL, LIN], {**settings, "kind": "deltanet", "normalize": True})
+    missing, unexpected = delta.load_state_dict(gla.state_dict(), strict=False)
+    assert not unexpected and missing and all(".write_strength." in name for name in missing)
+    ids = random_ids(2, 37)
+    erases = [m.write_strength.proj.bias for m in delta.modules() if isinstance(m, LinearAttention)]
+    for bias in erases:
+        bias.fill_(math.log(1e-5))
+    torch.testing.assert_close(delta(ids).logits, gla(ids).logits, rtol=1e-4, atol=1e-4)
+    for bias in erases:
+        bias.fill_(0.0)
+    assert (delta(ids).logits - gla(ids).logits).abs().max() > 1e-2
 
 
 def test_decays_really_vary():
@@ -344,6 +370,7 @@ PLANS = {
     "linear_unrotated": ([LIN, FULL, LIN], {"chunk_size": 16, "rope_features": False}),
     "all_linear": ([LIN, LIN, LIN], {"chunk_size": 16}),
     "deltanet_window_sinks_conv": ([LIN, FULL, LIN], {**DELTA, "window": 4, "sink": 2, "conv_size": 4, "chunk_size": 16}),
+    "deltanet_normalized_window_sinks": ([LIN, FULL, LIN], {**DELTA_NORMALIZED, "window": 4, "sink": 2, "chunk_size": 16}),
     "gla_taylor_retnet": ([LIN, FULL, LIN], {"feature_map": "taylor", "feature_dim": 4, "gate": "retnet", "chunk_size": 16}),
     "all_hybrid_performer": ([LIN, LIN, LIN], {"kind": "performer", "feature_map": "performer", "window": 4}),
 }
@@ -1199,7 +1226,12 @@ def test_bad_layer_plan_through_swap():
         ([LIN, LIN], {"kind": "mamba"}, r"kind='mamba'.*gla.*performer.*deltanet"),
         ([LIN, LIN], {"feature_map": "rbf"}, r"feature_map='rbf'.*hedgehog, elu, identity, taylor or performer"),
         ([LIN, LIN], {"gate": "sigmoid"}, r"gate='sigmoid'.*lowrank, key, retnet or none"),
-        ([LIN, LIN], {"kind": "deltanet"}, r"deltanet attention L2-normalizes its own q/k: set normalize=false"),
+        (
+            [LIN, LIN],
+            {"kind": "deltanet", "feature_map": "identity"},
+            r"deltanet with normalize=true keeps GLA's normalizer, which needs positive features: use feature_map hedgehog",
+        ),
+        ([LIN, LIN], {"kind": "deltanet", "feature_map": "performer", "normalize": False}, r"does not take performer features"),
         ([LIN, LIN], {"conv_size": 4}, r"conv_size is a deltanet setting"),
         ([LIN, LIN], {**DELTA, "conv_size": 1}, r"conv_size=1: use 0 \(no convolution\) or a kernel size of at least 2"),
         ([LIN, LIN], {"kind": "performer", "feature_map": "elu"}, r"feature_map='performer'"),

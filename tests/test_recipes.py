@@ -200,6 +200,11 @@ def test_switching_attention_kind_switches_its_defaults():
     assert (gla.attention.kind, gla.attention.feature_map, gla.attention.gate) == ("gla", "hedgehog", "lowrank")
     explicit = args("--recipe", "smollm2-performer", "--attention", "gla", "--feature-map", "elu", "--gate", "key")
     assert (explicit.attention.feature_map, explicit.attention.gate) == ("elu", "key")
+    # The delta rule keeps GLA's normalized state with positive features, and adds its output otherwise.
+    delta = args("--model", "llama", "--attention", "deltanet")
+    assert (delta.attention.kind, delta.attention.feature_map, delta.attention.normalize) == ("deltanet", "identity", False)
+    delta = args("--model", "llama", "--attention", "deltanet", "--feature-map", "hedgehog")
+    assert (delta.attention.feature_map, delta.attention.normalize) == ("hedgehog", True)
 
 
 def test_flags_override_a_recipe_file(tmp_path):
@@ -241,7 +246,10 @@ def test_measured_plan_follows_its_ratio_and_placement(tmp_path):
     "overrides, message",
     [
         ({"attention.conv_size": 4}, "conv_size is a deltanet setting"),
-        ({"attention.kind": "deltanet"}, "deltanet attention L2-normalizes its own q/k: set normalize=false"),
+        (
+            {"attention.kind": "deltanet", "attention.feature_map": "identity"},
+            "deltanet with normalize=true keeps GLA's normalizer, which needs positive features",
+        ),
         ({"attention.gate": "sigmoid"}, "lowrank, key, retnet or none"),
     ],
 )
