@@ -995,22 +995,19 @@ class LinearAttention(nn.Module):
         """
         if self.normalize:
             norm = fk.norm(dim=-1, keepdim=True)
-            unit = fk / norm.clamp_min(NORMALIZER_EPS) * keep
-            u = with_normalizer(v) * (norm * keep / beta.clamp_min(ERASE_FLOOR))
-            o, state = gated_delta_rule(
-                fq, unit, u, beta[..., 0], None if g is None else g[..., 0],
-                initial_state=self._state(cache, "memory"), mode=mode, chunk_size=self.chunk_size,
-            )  # fmt: skip
-            self._store(cache, "memory", state)
-            if window_terms is None:
-                return normalize_output(o[..., :-1], o[..., -1:])
-            return self._share_normalizer(o, window_terms[0])
-        fq, fk = F.normalize(fq, dim=-1), F.normalize(fk, dim=-1) * keep
+            fk = fk / norm.clamp_min(NORMALIZER_EPS) * keep
+            v = with_normalizer(v) * (norm * keep / beta.clamp_min(ERASE_FLOOR))
+        else:
+            fq, fk = F.normalize(fq, dim=-1), F.normalize(fk, dim=-1) * keep
         o, state = gated_delta_rule(
             fq, fk, v, beta[..., 0], None if g is None else g[..., 0],
             initial_state=self._state(cache, "memory"), mode=mode, chunk_size=self.chunk_size,
         )  # fmt: skip
         self._store(cache, "memory", state)
+        if self.normalize:
+            if window_terms is None:
+                return normalize_output(o[..., :-1], o[..., -1:])
+            return self._share_normalizer(o, window_terms[0])
         if window_terms is None:
             return o
         win, _ = window_terms
