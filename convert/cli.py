@@ -135,6 +135,7 @@ def _csv(text: str | None, cast=str) -> list | None:
 
 def recipe_from_args(args: argparse.Namespace):
     """The recipe the flags describe: --recipe or the model's default recipe, with flags on top."""
+    from ..modeling.configuration_linearize import POSITIVE_FEATURE_MAPS
     from .pipeline import apply_overrides, default_recipe
     from .recipes import load_recipe
 
@@ -182,7 +183,7 @@ def recipe_from_args(args: argparse.Namespace):
         feature_map = args.feature_map or feature_map
         overrides["attention.feature_map"] = feature_map
         overrides["attention.gate"] = args.gate or gate
-        overrides["attention.normalize"] = args.attention != "deltanet" or feature_map in ("hedgehog", "elu")
+        overrides["attention.normalize"] = args.attention != "deltanet" or feature_map in POSITIVE_FEATURE_MAPS
     for stage in ("transfer", "finetune"):
         for flag, key in (
             ("seq_len", "seq_len"),

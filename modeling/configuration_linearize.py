@@ -19,6 +19,9 @@ from typing import Any
 from transformers import PretrainedConfig
 
 LINEAR = "linear_attention"
+# Feature maps whose features are positive: what a shared normalizer phi(q).z needs (the delta rule's
+# normalized form takes only these).
+POSITIVE_FEATURE_MAPS = ("hedgehog", "elu")
 LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     # "gla" (gated, decaying state), "performer" (FAVOR+ random features, no decay) or "deltanet" (gated delta rule)
     "kind": "gla",
@@ -151,7 +154,7 @@ def validate_linear_attention(settings: dict[str, Any]) -> None:
         )
     if settings["kind"] == "deltanet" and settings["feature_map"] == "performer":
         raise ValueError("deltanet attention does not take performer features: use hedgehog, elu, identity or taylor")
-    if settings["kind"] == "deltanet" and settings["normalize"] and settings["feature_map"] not in ("hedgehog", "elu"):
+    if settings["kind"] == "deltanet" and settings["normalize"] and settings["feature_map"] not in POSITIVE_FEATURE_MAPS:
         raise ValueError(
             "deltanet with normalize=true keeps GLA's normalizer, which needs positive features: "
             "use feature_map hedgehog or elu, or normalize=false"
