@@ -1,15 +1,18 @@
 """The gated delta rule in PyTorch: a step-by-step recurrence (the reference, and decoding) and a chunked form.
 
-S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, o_t = q_t^T S_t, with the state S [K, V] per KV
-head (query heads of a group share it), a_t = exp(g_t) a scalar decay per head and b_t in (0, 1) the
-write strength. Keys are expected L2-normalized, so (I - b k k^T) shrinks the old value stored
-under k before the new one is written: the layer overwrites, where GLA only adds.
+S_t = (I - b_t k_t k_t^T) diag(a_t) S_{t-1} + b_t k_t v_t^T, o_t = q_t^T S_t, with the state S [K, V] per KV
+head (query heads of a group share it), a_t = exp(g_t) the decay, one per head (g [B, H, T, 1]) or per
+key channel (g [B, H, T, K], as GLA's), and b_t in (0, 1) the write strength. Keys are expected
+L2-normalized, so (I - b k k^T) shrinks the old value stored under k before the new one is written:
+the layer overwrites, where GLA only adds.
 
 The chunked form (the WY / UT transform of DeltaNet) is linear in T: inside a chunk of C steps,
-with gamma_i the decay accumulated from the chunk start,
-  A_ij = b_i (k_i . k_j) exp(gamma_i - gamma_j) for j < i,   (I + A) [W | U] = [b k e^gamma | b v],
-  V' = U - W S_0,   o = (q e^gamma) S_0 + ((q k^T) * exp(gamma_i - gamma_j))_{j <= i} V',
+with gamma_i the decay accumulated from the chunk start (per channel c where the decay is),
+  A_ij = b_i sum_c k_ic k_jc exp(gamma_ic - gamma_jc) for j < i,   (I + A) [W | U] = [b k e^gamma | b v],
+  V' = U - W S_0,   o = (q e^gamma) S_0 + (sum_c q_ic k_jc exp(gamma_ic - gamma_jc))_{j <= i} V',
   S_C = e^gamma_C S_0 + (k e^(gamma_C - gamma))^T V'.
+Per channel the in-chunk decays are factored around the first step of each 16-step sub-chunk, as in
+`gla_torch`, with the same precondition g >= MIN_LOG_DECAY; one decay per head needs none.
 Autograd differentiates both forms; the tests hold them equal forward and backward.
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gla_torch import _accumulator, _group
+from .gla_torch import SUB_CHUNK, _accumulator, _group
 
 
 def delta_recurrent(
@@ -30,22 +33,47 @@ def delta_recurrent(
     scale: float = 1.0,
     initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step at a time: q [B, HQ, T, K], k [B, H, T, K], v [B, H, T, V], beta and g [B, H, T] -> (o, S)."""
+    """One step at a time: q [B, HQ, T, K], k [B, H, T, K], v [B, H, T, V], beta [B, H, T], g [B, H, T, 1 or K] -> (o, S)."""
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
     dtype, acc = q.dtype, _accumulator(q.dtype)
     q, k, v, beta = _group(q.to(acc), H) * scale, k.to(acc), v.to(acc), beta.to(acc)
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
+    decay = None if g is None else g.to(acc).exp().unsqueeze(-1)
     outputs = []
     for t in range(T):
-        if g is not None:
-            S = S * g[:, :, t, None, None].to(acc).exp()
+        if decay is not None:
+            S = S * decay[:, :, t]
         kt = k[:, :, t]
         error = v[:, :, t] - (kt.unsqueeze(-2) @ S).squeeze(-2)
         S = S + (beta[:, :, t, None] * kt).unsqueeze(-1) * error.unsqueeze(-2)
         outputs.append(q[:, :, :, t] @ S)
     o = torch.stack(outputs, dim=3).reshape(B, HQ, T, V)
     return o.to(dtype), S
+
+
+def _decayed_products(x: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, diagonal: int) -> torch.Tensor:
+    """(sum_c x_ic k_jc exp(gamma_ic - gamma_jc))_ij on and below the `diagonal`-th diagonal of each chunk, else 0.
+
+    x [..., C, K], k and gamma [..., C, K or 1] (broadcast against x's leading dims). One decay per head:
+    the decay matrix itself, the future masked before exponentiating. Per channel: each 16-row
+    sub-chunk of x meets the keys through its first row's decay, so exp(gamma_ic - ref) <= 1 and
+    exp(ref - gamma_jc) stays below exp(-15 MIN_LOG_DECAY) for the keys up to the sub-chunk's end.
+    """
+    C = x.shape[-2]
+    rows = torch.arange(C, device=x.device)
+    lower = rows[:, None] - rows[None, :] >= -diagonal
+    if gamma.shape[-1] == 1:
+        diff = gamma - gamma.transpose(-1, -2)
+        return (x @ k.transpose(-1, -2)) * torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()
+    S = min(SUB_CHUNK, C)
+    ref = gamma[..., ::S, :]  # [..., C / S, K]: each sub-chunk's first row
+    xs = x * (gamma - ref.repeat_interleave(S, dim=-2)).exp()
+    reach = rows[None, :] < rows[::S, None] + S  # [C / S, C]: the keys up to each sub-chunk's end
+    exponent = ref.unsqueeze(-2) - gamma.unsqueeze(-3)  # [..., C / S, C, K]
+    ks = k.unsqueeze(-3) * exponent.masked_fill(~reach[..., None], float("-inf")).exp()
+    products = xs.unflatten(-2, (C // S, S)) @ ks.transpose(-1, -2)  # [..., C / S, S, C]
+    return products.flatten(-3, -2).masked_fill(~lower, 0.0)
 
 
 def delta_chunked(
@@ -58,38 +86,38 @@ def delta_chunked(
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same result in chunks of `chunk_size`: O(T C (K + V)) work, a triangular solve per chunk."""
+    """The same result in chunks of `chunk_size` (a multiple of 16 per channel): O(T C (K + V)) work, a triangular solve per chunk."""
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
     G = HQ // H
     dtype, acc = q.dtype, _accumulator(q.dtype)
     C = chunk_size
+    if g is not None and g.shape[-1] > 1:
+        C = max(SUB_CHUNK, C - C % SUB_CHUNK)
     pad = (-T) % C
     q, k, v, beta = q.to(acc) * scale, k.to(acc), v.to(acc), beta.to(acc)
-    g = torch.zeros_like(beta) if g is None else g.to(acc)
+    g = k.new_zeros(B, H, T, 1) if g is None else g.to(acc)
     if pad:  # padded steps write nothing and do not decay
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+        q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
     N = (T + pad) // C
     q = q.view(B, H, G, N, C, K)
     k, v = k.view(B, H, N, C, K), v.view(B, H, N, C, V)
-    beta, gamma = beta.view(B, H, N, C), g.view(B, H, N, C).cumsum(-1)
-    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-    A = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    beta, gamma = beta.view(B, H, N, C), g.view(B, H, N, C, -1).cumsum(-2)
+    A = beta[..., None] * _decayed_products(k, k, gamma, -1)
     eye = torch.eye(C, dtype=acc, device=q.device)
-    rhs = torch.cat([beta[..., None] * k * gamma[..., None].exp(), beta[..., None] * v], dim=-1)
+    rhs = torch.cat([beta[..., None] * k * gamma.exp(), beta[..., None] * v], dim=-1)
     WU = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     W, U = WU[..., :K], WU[..., K:]
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
-    scores = (q @ k.unsqueeze(2).transpose(-1, -2)) * decay.unsqueeze(2)  # [B, H, G, N, C, C]
-    query_decay = gamma.unsqueeze(2)[..., None].exp()
+    scores = _decayed_products(q, k.unsqueeze(2), gamma.unsqueeze(2), 0)  # [B, H, G, N, C, C]
+    query_decay = gamma.unsqueeze(2).exp()
     outputs = []
     for n in range(N):
         fresh = U[:, :, n] - W[:, :, n] @ S
         inter = (q[:, :, :, n] * query_decay[:, :, :, n]) @ S.unsqueeze(2)
         outputs.append(inter + scores[:, :, :, n] @ fresh.unsqueeze(2))
-        last = gamma[:, :, n, -1, None, None]
-        S = last.exp() * S + (k[:, :, n] * (last - gamma[:, :, n, :, None]).exp()).transpose(-1, -2) @ fresh
+        last = gamma[:, :, n, -1:]  # [B, H, 1, K or 1]
+        S = last.transpose(-1, -2).exp() * S + (k[:, :, n] * (last - gamma[:, :, n]).exp()).transpose(-1, -2) @ fresh
     o = torch.stack(outputs, dim=3).reshape(B, HQ, N * C, V)[:, :, :T]
     return o.to(dtype), S
