@@ -1,24 +1,27 @@
 """The gated delta rule in Triton: the chunked form (forward and backward) and a fused decoding step.
 
 Same shapes and GQA rule as `delta_torch` (q [B, HQ, T, K], k [B, H, T, K] L2-normalized,
-v [B, H, T, V], beta and g [B, H, T], state [B, H, K, V] fp32) and the same chunked math (its
-docstring): per chunk, with gc the chunk-local cumulative log-decay,
-  A = strict-lower b_i (k_i . k_j) e^(gc_i - gc_j), Ai = (I + A)^-1, W = Ai (b k e^gc), U = Ai (b v),
+v [B, H, T, V], beta [B, H, T], g [B, H, T, 1] (per head) or [B, H, T, K] (per key channel),
+state [B, H, K, V] fp32) and the same chunked math (its docstring): per chunk, with gc the
+chunk-local cumulative log-decay,
+  A = strict-lower b_i (k_i . k_j e^(gc_i - gc_j)), Ai = (I + A)^-1, W = Ai (b k e^gc), U = Ai (b v),
   v' = U - W S_n, o = scale (q e^gc) S_n + scores v', S_{n+1} = e^gc_last S_n + (k e^(gc_last - gc))^T v'.
-Given v', the output and the state update are GLA's with one decay per head, so the chunked form
-reuses `gla_triton`'s score, output and score/state-gradient kernels on v' for v; its own kernels
-are the UT transform (`_ut_fwd_kernel`, Ai by forward substitution, row by row), the scans over
-chunks that need v' (forward) and dv' (backward) inside the recurrence (`_delta_state_kernel`,
-`_delta_dstate_kernel`, one value block of the whole [K, V] state per program: v' = U - W S reads all
-of K), and the way back through the UT transform (`_ut_bwd_kernel`: dk, dv, dbeta and the transform's
-share of dg). Torch glue: buffers, contiguity and dtype casts, and the sum of dg's two shares.
+The decayed products k_i . k_j e^(gc_i - gc_j) are GLA's in-chunk scores of k against itself, and given
+v' the output and the state update are GLA's, so the chunked form reuses `gla_triton`'s score, output
+and gradient kernels (their sub-chunk reference points keep every exponent in range, per head or per
+channel). Its own kernels are the UT transform (`_ut_fwd_kernel`, Ai by forward substitution, row by
+row), the scans over chunks that need v' (forward) and dv' (backward) inside the recurrence
+(`_delta_state_kernel`, `_delta_dstate_kernel`, one value block of the whole [K, V] state per program:
+v' = U - W S reads all of K), and the way back through the UT transform (`_ut_bwd_kernel`: dv, dbeta,
+the gradient of the decayed products for GLA's score-gradient kernel, and b e^gc dX). Torch glue:
+buffers, contiguity and dtype casts, and the log-decay gradient's in-chunk suffix sum.
 
 Numerics as in `gla_triton`: decays summed within a chunk only, every exponential of a non-positive
-number (g <= 0), so no decay precondition. Precision: the UT transform (A, Ai, W, U) and its backward
-keep fp32 operands whatever the inputs (tf32 for half inputs, or where torch allows it; exact fp32
-otherwise: `_kept_precision`); the products with the state (W S, k^T v', q^T do, W^T dv', dv' S^T) take
-`_dot_config`'s operands, bf16 for bf16 inputs. Every sum accumulates in fp32; W, U, v' and the
-states are stored in fp32.
+number (g <= 0) outside the shared score kernels, so no decay precondition. Precision: the UT
+transform (A, Ai, W, U) and its backward keep fp32 operands whatever the inputs (tf32 for half inputs,
+or where torch allows it; exact fp32 otherwise: `_kept_precision`); the products with the state
+(W S, k^T v', q^T do, W^T dv', dv' S^T) take `_dot_config`'s operands, bf16 for bf16 inputs. Every sum
+accumulates in fp32; W, U, v' and the states are stored in fp32.
 
 The decoding step: each program holds one value block of one key/value head's state: the delta
 rule's read-back k^T S of a value column needs only that column, so value blocks are independent.
@@ -35,18 +38,18 @@ try:  # in a try block, which transformers' remote-code import check skips: expo
     from .gla_triton import (
         _block,
         _cdiv,
-        _chunk_dot,
         _chunk_len,
+        _decay_strides,
         _device_guard,
         _dot_config,
         _fitting_tiles,
         _kept_precision,
         _launch,
         _local_cumsum,
-        _masked_exp,
         _output,
         _pow2,
         _score_and_state_grads,
+        _score_grads,
         _scores,
         _tuned,
     )
@@ -58,24 +61,19 @@ STATE_TILE = 16384  # the most [K, BV] state elements one scan program holds (K=
 
 @triton.jit
 def _ut_fwd_kernel(
-    k, v, beta, gc, Ai, W, U, T,
+    kk, k, v, beta, gc, Ai, W, U, T,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, PREC32: tl.constexpr,
+    USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr, PREC32: tl.constexpr,
 ):
-    """One chunk's UT transform in fp32: Ai = (I + A)^-1, W = Ai (b k e^gc), U = Ai (b v)."""
+    """One chunk's UT transform in fp32 from the decayed products kk: Ai = (I + A)^-1, W = Ai (b k e^gc), U = Ai (b v)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     bh = i_bh.to(tl.int64)
     loc = tl.arange(0, BT)
     rows = i_n * BT + loc
     m_t = rows < T
     b_b = tl.load(beta + bh * T + rows, mask=m_t, other=0.0).to(tl.float32)
-    kk = _chunk_dot(k, k, bh * T * K, bh * T * K, rows, m_t, K, BT, BK, tl.float32, PREC32)
-    strict = (loc[:, None] > loc[None, :]) & m_t[:, None]
-    if USE_G:
-        b_g = tl.load(gc + bh * T + rows, mask=m_t, other=0.0)
-        a = kk * _masked_exp(b_g[:, None] - b_g[None, :], strict) * b_b[:, None]
-    else:
-        a = tl.where(strict, kk * b_b[:, None], 0.0)
+    b_kk = tl.load(kk + bh * T * BT + rows[:, None] * BT + loc[None, :], mask=m_t[:, None], other=0.0)
+    a = tl.where((loc[:, None] > loc[None, :]) & m_t[:, None], b_kk * b_b[:, None], 0.0)
     # Forward substitution: row i of (I + A)^-1 is e_i - sum_{j < i} A_ij (row j), rows above already final.
     ai = tl.where(loc[:, None] == loc[None, :], 1.0, 0.0)
     for i in range(1, BT):
@@ -95,7 +93,7 @@ def _ut_fwd_kernel(
         offs = bh * T * K + rows[:, None] * K + ck[None, :]
         x = tl.load(k + offs, mask=m_tk, other=0.0).to(tl.float32) * b_b[:, None]
         if USE_G:
-            x *= tl.exp(b_g)[:, None]
+            x *= tl.exp(tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_tk, other=0.0))
         tl.store(W + offs, tl.dot(ai, x, input_precision=PREC32), mask=m_tk)
 
 
@@ -103,7 +101,8 @@ def _ut_fwd_kernel(
 def _delta_state_kernel(
     k, W, U, gc, h0, hbuf, ht, vp, T, N, NH, s_ht,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, HAS_H0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr, HAS_H0: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Scan over chunks for one value block of the whole state (BK >= K): hbuf[n] = the state entering
     chunk n, v' = U - W S (vp), S <- e^gc_last S + (k e^(gc_last - gc))^T v'; the final state in ht."""
@@ -129,10 +128,10 @@ def _delta_state_kernel(
         tl.store(vp + tv_offs, b_vp, mask=m_tv)
         b_k = tl.load(k + tk_offs, mask=m_tk, other=0.0).to(tl.float32)
         if USE_G:
-            g_last = tl.load(gc + bh * T + tl.minimum(n * BT + BT, T) - 1)
-            b_g = tl.load(gc + bh * T + rows, mask=m_t, other=0.0)
-            s *= tl.exp(g_last)
-            b_k *= tl.exp(g_last - b_g)[:, None]
+            g_last = tl.load(gc + bh * T * GK + (tl.minimum(n * BT + BT, T) - 1) * GK + ck * GS, mask=m_k, other=0.0)
+            b_g = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_tk, other=0.0)
+            s *= tl.exp(g_last)[:, None]
+            b_k *= tl.exp(g_last[None, :] - b_g)
         s = tl.dot(tl.trans(b_k.to(DT)), b_vp.to(DT), s, input_precision=PREC)
     tl.store(ht + bh * s_ht + kv_offs, s, mask=m_kv)
 
@@ -164,8 +163,8 @@ def _dv_local_kernel(
 def _delta_dstate_kernel(
     q, k, W, gc, do, dvl, dht, dh0, dhbuf, dvp, scale, T, N,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
+    HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Reverse scan for one value block of the whole state: dhbuf[n + 1] = dS_{n+1} (the state leaving chunk n),
     dv' = dv'_local + (k e^(gc_last - gc)) dS_{n+1} (dvp), dS_n = e^gc_last dS_{n+1}
@@ -191,19 +190,19 @@ def _delta_dstate_kernel(
         tv_offs = bh * T * V + rows[:, None] * V + cv[None, :]
         b_k = tl.load(k + bh * T * K + tk_offs, mask=m_tk, other=0.0).to(tl.float32)
         if USE_G:
-            g_last = tl.load(gc + bh * T + tl.minimum(n * BT + BT, T) - 1)
-            b_g = tl.load(gc + bh * T + rows, mask=m_t, other=0.0)
-            b_k *= tl.exp(g_last - b_g)[:, None]
+            g_last = tl.load(gc + bh * T * GK + (tl.minimum(n * BT + BT, T) - 1) * GK + ck * GS, mask=m_k, other=0.0)
+            b_g = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_tk, other=0.0)
+            b_k *= tl.exp(g_last[None, :] - b_g)
         b_dvp = tl.load(dvl + tv_offs, mask=m_tv, other=0.0)
         b_dvp = tl.dot(b_k.to(DT), ds.to(DT), b_dvp, input_precision=PREC)
         tl.store(dvp + tv_offs, b_dvp, mask=m_tv)
         if USE_G:
-            ds *= tl.exp(g_last)
+            ds *= tl.exp(g_last)[:, None]
         for i_g in range(G):
             hq = b * H * G + h * G + i_g
             b_q = tl.load(q + hq * T * K + tk_offs, mask=m_tk, other=0.0).to(tl.float32) * scale
             if USE_G:
-                b_q *= tl.exp(b_g)[:, None]
+                b_q *= tl.exp(b_g)
             b_do = tl.load(do + hq * T * V + rows[:, None] * V + cv[None, :], mask=m_tv, other=0.0)
             ds = tl.dot(tl.trans(b_q.to(DT)), b_do.to(DT), ds, input_precision=PREC)
         b_w = tl.load(W + bh * T * K + tk_offs, mask=m_tk, other=0.0)
@@ -214,16 +213,17 @@ def _delta_dstate_kernel(
 
 @triton.jit
 def _ut_bwd_kernel(
-    k, v, beta, gc, Ai, W, U, hbuf, dvp, dk_in, dkx, dk, dv, dbeta, dg, T, N,
+    kk, k, v, beta, gc, Ai, W, U, hbuf, dvp, dkx, dkk, dv, dbeta, T, N,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, PREC32: tl.constexpr,
+    USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    PREC32: tl.constexpr,
 ):
     """Back through v' = U - W S_n and one chunk's UT transform.
 
     dU = dv', dW = -dv' S_n^T, [dX | dY] = Ai^T [dW | dU] (X = b k e^gc, Y = b v), and on the strict lower
-    triangle dA = -(dX W^T + dY U^T). Then dv = b dY, dk = dk_in + b e^gc dX + P k + P^T k with
-    P = b_i dA e^(gc_i - gc_j), dbeta from X, Y and A, and the transform's share of dg, summed from the
-    chunk's end (dg_t = sum over r >= t of dL/dgc_r). dkx holds b e^gc dX between the two passes over K.
+    triangle dA = -(dX W^T + dY U^T). Stores dv = b dY, dbeta (from X, Y and A = b kk), dkx = b e^gc dX
+    (X's share of dk; times k, of dgc) and dkk = b dA, the gradient of the decayed products kk, which
+    GLA's score-gradient kernel takes back to k and gc.
     """
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     bh = i_bh.to(tl.int64)
@@ -231,15 +231,9 @@ def _ut_bwd_kernel(
     rows = i_n * BT + loc
     m_t = rows < T
     b_b = tl.load(beta + bh * T + rows, mask=m_t, other=0.0).to(tl.float32)
-    b_x = b_b  # the row weights of X = b k e^gc
-    if USE_G:
-        b_g = tl.load(gc + bh * T + rows, mask=m_t, other=0.0)
-        b_x = b_b * tl.exp(b_g)
     ai = tl.load(Ai + bh * T * BT + rows[:, None] * BT + loc[None, :], mask=m_t[:, None], other=0.0)
     da = tl.zeros([BT, BT], dtype=tl.float32)
-    kk = tl.zeros([BT, BT], dtype=tl.float32)
     db = tl.zeros([BT], dtype=tl.float32)
-    dgam = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (cv < V)[None, :]
@@ -264,37 +258,15 @@ def _ut_bwd_kernel(
             dw = tl.dot(b_dvp.to(DT), tl.trans(b_h.to(DT)), dw, input_precision=PREC)
         b_dx = -tl.dot(tl.trans(ai), dw, input_precision=PREC32)
         da = tl.dot(-b_dx, tl.trans(tl.load(W + offs, mask=m_tk, other=0.0)), da, input_precision=PREC32)
-        b_k = tl.load(k + offs, mask=m_tk, other=0.0).to(tl.float32)
-        kk = tl.dot(b_k, tl.trans(b_k), kk, input_precision=PREC32)
-        dx_k = tl.sum(b_dx * b_k, axis=1)
         if USE_G:
-            db += dx_k * tl.exp(b_g)
-        else:
-            db += dx_k
-        dgam += dx_k * b_x
-        tl.store(dkx + offs, b_dx * b_x[:, None], mask=m_tk)
-    strict = (loc[:, None] > loc[None, :]) & m_t[:, None]
-    if USE_G:
-        da *= _masked_exp(b_g[:, None] - b_g[None, :], strict)  # now dA_ij e^(gc_i - gc_j)
-    else:
-        da = tl.where(strict, da, 0.0)
-    db += tl.sum(da * kk, axis=1)
-    p = da * b_b[:, None]
-    pa = p * kk  # dA * A
-    dgam += tl.sum(pa, axis=1) - tl.sum(pa, axis=0)
-    tl.debug_barrier()  # dkx: every thread's stores above before any thread's loads below
-    for i_k in range(tl.cdiv(K, BK)):
-        ck = i_k * BK + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (ck < K)[None, :]
-        offs = bh * T * K + rows[:, None] * K + ck[None, :]
-        b_k = tl.load(k + offs, mask=m_tk, other=0.0).to(tl.float32)
-        acc = tl.load(dk_in + offs, mask=m_tk, other=0.0) + tl.load(dkx + offs, mask=m_tk, other=0.0)
-        acc = tl.dot(p, b_k, acc, input_precision=PREC32)
-        acc = tl.dot(tl.trans(p), b_k, acc, input_precision=PREC32)
-        tl.store(dk + offs, acc.to(dk.dtype.element_ty), mask=m_tk)
+            b_dx *= tl.exp(tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_tk, other=0.0))
+        db += tl.sum(b_dx * tl.load(k + offs, mask=m_tk, other=0.0).to(tl.float32), axis=1)  # dX . (k e^gc)
+        tl.store(dkx + offs, b_dx * b_b[:, None], mask=m_tk)
+    b_kk = tl.load(kk + bh * T * BT + rows[:, None] * BT + loc[None, :], mask=m_t[:, None], other=0.0)
+    da = tl.where((loc[:, None] > loc[None, :]) & m_t[:, None], da, 0.0)
+    db += tl.sum(da * b_kk, axis=1)
+    tl.store(dkk + bh * T * BT + rows[:, None] * BT + loc[None, :], da * b_b[:, None], mask=m_t[:, None])
     tl.store(dbeta + bh * T + rows, db.to(dbeta.dtype.element_ty), mask=m_t)
-    if USE_G:
-        tl.store(dg + bh * T + rows, tl.sum(dgam, axis=0) - tl.cumsum(dgam, axis=0) + dgam, mask=m_t)
 
 
 def _state_tiles(configs: list, named_args: dict, **kwargs) -> list:
@@ -304,11 +276,11 @@ def _state_tiles(configs: list, named_args: dict, **kwargs) -> list:
     return [c for c in kept if K * c.kwargs["BV"] <= STATE_TILE] or kept[:1]
 
 
-_ut_fwd = _tuned(_ut_fwd_kernel, ["BT", "K", "V", "USE_G"], ("BK", "BV"))
-_delta_state = _tuned(_delta_state_kernel, ["BT", "K", "V", "USE_G"], ("BV",), prune=_state_tiles)
+_ut_fwd = _tuned(_ut_fwd_kernel, ["BT", "K", "V", "USE_G", "GS"], ("BK", "BV"))
+_delta_state = _tuned(_delta_state_kernel, ["BT", "K", "V", "USE_G", "GS"], ("BV",), prune=_state_tiles)
 _dv_local = _tuned(_dv_local_kernel, ["BT", "V", "G"], ("BV",))
-_delta_dstate = _tuned(_delta_dstate_kernel, ["BT", "K", "V", "G", "USE_G"], ("BV",), prune=_state_tiles)
-_ut_bwd = _tuned(_ut_bwd_kernel, ["BT", "K", "V", "USE_G"], ("BK", "BV"))
+_delta_dstate = _tuned(_delta_dstate_kernel, ["BT", "K", "V", "G", "USE_G", "GS"], ("BV",), prune=_state_tiles)
+_ut_bwd = _tuned(_ut_bwd_kernel, ["BT", "K", "V", "USE_G", "GS"], ("BK", "BV"))
 
 
 def _full_k(K: int) -> int:
@@ -316,21 +288,28 @@ def _full_k(K: int) -> int:
     return max(16, _pow2(K))
 
 
+def _decay_meta(gc: torch.Tensor | None) -> dict:
+    """USE_G and the decay's strides (a per-head decay is read for every channel)."""
+    return {"USE_G": gc is not None, **_decay_strides(gc)}
+
+
 def _ut_transform(
     k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor | None, BT: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(Ai [B, H, T, BT], W [B, H, T, K], U [B, H, T, V]), fp32, chunk by chunk."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kk [B, H, T, BT], the decayed products k_i . k_j e^(gc_i - gc_j) on and below the diagonal, then Ai
+    [B, H, T, BT], W [B, H, T, K] and U [B, H, T, V]), fp32, chunk by chunk."""
     B, H, T, K = k.shape
     V = v.shape[-1]
+    kk = _scores(k, k, gc, 1.0, BT)
     Ai = torch.empty(B, H, T, BT, device=k.device, dtype=torch.float32)
     W = torch.empty(B, H, T, K, device=k.device, dtype=torch.float32)
     U = torch.empty(B, H, T, V, device=k.device, dtype=torch.float32)
     _launch(
-        _ut_fwd, lambda t: (_cdiv(T, BT), B * H), k, v, beta, k if gc is None else gc, Ai, W, U, T,
-        tiles={"BK": _block(K), "BV": _block(V)}, K=K, V=V, BT=BT, USE_G=gc is not None,
+        _ut_fwd, lambda t: (_cdiv(T, BT), B * H), kk, k, v, beta, k if gc is None else gc, Ai, W, U, T,
+        tiles={"BK": _block(K), "BV": _block(V)}, K=K, V=V, BT=BT, **_decay_meta(gc),
         PREC32=_kept_precision(k.dtype),
     )
-    return Ai, W, U
+    return kk, Ai, W, U
 
 
 def _states(
@@ -350,14 +329,17 @@ def _states(
         _delta_state, lambda t: (_cdiv(V, t["BV"]), B * H),
         k, W, U, k if gc is None else gc, k if h0 is None else h0, hbuf, ht, vp, T, N, NH,
         NH * K * V if keep_final else K * V, tiles={"BV": _block(V)},
-        K=K, V=V, BT=BT, BK=_full_k(K), USE_G=gc is not None, HAS_H0=h0 is not None, **_dot_config(k.dtype),
+        K=K, V=V, BT=BT, BK=_full_k(K), **_decay_meta(gc), HAS_H0=h0 is not None, **_dot_config(k.dtype),
     )
     return hbuf, ht, vp
 
 
-def _per_head_cumsum(g: torch.Tensor | None, BT: int) -> torch.Tensor | None:
-    """Chunk-local cumulative log-decay [B, H, T, 1] fp32: the layout of GLA's one-decay-per-head path."""
-    return None if g is None else _local_cumsum(g.unsqueeze(-1), BT)
+def _chunk_suffix_sum(x: torch.Tensor, BT: int) -> torch.Tensor:
+    """sum over r >= t within t's chunk of x_r, along T of x [B, H, T, K]: dg from dgc (gc_r = sum_{t <= r} g_t)."""
+    T = x.shape[2]
+    pad = (-T) % BT
+    chunks = torch.nn.functional.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, BT))
+    return chunks.flip(3).cumsum(3).flip(3).flatten(2, 3)[:, :, :T]
 
 
 def _backward(
@@ -371,9 +353,9 @@ def _backward(
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
     G, N = HQ // H, _cdiv(T, BT)
-    gc = _per_head_cumsum(g, BT)
+    gc = None if g is None else _local_cumsum(g, BT)
     gp = k if gc is None else gc
-    Ai, W, U = _ut_transform(k, v, beta, gc, BT)
+    kk, Ai, W, U = _ut_transform(k, v, beta, gc, BT)
     hbuf, _, vp = _states(k, W, U, gc, h0, BT, keep_final=True)
     A = _scores(q, k, gc, scale, BT)
     prec32 = _kept_precision(q.dtype)
@@ -390,24 +372,29 @@ def _backward(
     _launch(
         _delta_dstate, lambda t: (_cdiv(V, t["BV"]), B * H),
         q, k, W, gp, do, dvl, k if dht is None else dht, dhbuf if dh0 is None else dh0, dhbuf, dvp, scale, T, N,
-        tiles={"BV": _block(V)}, K=K, V=V, BK=_full_k(K), USE_G=gc is not None,
+        tiles={"BV": _block(V)}, K=K, V=V, BK=_full_k(K), **_decay_meta(gc),
         HAS_DHT=dht is not None, HAS_DH0=dh0 is not None, **cfg,
     )
     dq, dk_scores, dg_scores = _score_and_state_grads(
         q, k, vp, gc, hbuf, None, do, None, dhbuf, None, scale, BT, dk_dtype=torch.float32
     )
     dkx = torch.empty_like(dk_scores)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dkk = torch.empty_like(kk)
+    dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
-    dg = torch.empty(B, H, T, device=q.device, dtype=torch.float32) if gc is not None else None
     _launch(
         _ut_bwd, lambda t: (N, B * H),
-        k, v, beta, gp, Ai, W, U, hbuf, dvp, dk_scores, dkx, dk, dv, dbeta, dkx if dg is None else dg, T, N,
-        tiles={"BK": _block(K), "BV": _block(V)}, K=K, V=V, BT=BT, USE_G=gc is not None,
+        kk, k, v, beta, gp, Ai, W, U, hbuf, dvp, dkx, dkk, dv, dbeta, T, N,
+        tiles={"BK": _block(K), "BV": _block(V)}, K=K, V=V, BT=BT, **_decay_meta(gc),
         **_dot_config(q.dtype), PREC32=prec32,
     )
-    if dg is not None:
-        dg = (dg + dg_scores.squeeze(-1)).to(g.dtype)
+    dk_rows, dk_cols = _score_grads(k, k, gc, dkk, 1.0, BT)  # kk's rows and columns are both k
+    dk = (dk_scores + dkx + dk_rows + dk_cols).to(k.dtype)
+    dg = None
+    if gc is not None:
+        # d/dgc of X = b k e^gc is dkx k; of the products, k (rows - columns), as GLA's scores give dg.
+        dgc = _chunk_suffix_sum(k.float() * (dkx + dk_rows - dk_cols), BT)
+        dg = (dg_scores + (dgc.sum(-1, keepdim=True) if gc.shape[-1] == 1 else dgc)).to(g.dtype)
     return dq, dk, dv, dbeta, dg, dh0
 
 
@@ -416,8 +403,8 @@ class _ChunkDelta(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, scale, initial_state, BT):
-        gc = _per_head_cumsum(g, BT)
-        _, W, U = _ut_transform(k, v, beta, gc, BT)
+        gc = None if g is None else _local_cumsum(g, BT)
+        _, _, W, U = _ut_transform(k, v, beta, gc, BT)
         hbuf, ht, vp = _states(k, W, U, gc, initial_state, BT, keep_final=False)
         o = _output(q, vp, gc, hbuf, None, _scores(q, k, gc, scale, BT), scale, BT)
         ctx.save_for_backward(q, k, v, beta, g, initial_state)
@@ -447,8 +434,10 @@ def _check(
             f"delta rule shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
             f"beta {tuple(beta.shape)}"
         )
-    if g is not None and g.shape != (B, H, T):
-        raise ValueError(f"g must be {(B, H, T)} (one log-decay per head and step), got {tuple(g.shape)}")
+    if g is not None and g.shape not in ((B, H, T, 1), (B, H, T, K)):
+        raise ValueError(
+            f"g must be {(B, H, T, 1)} (one log-decay per head) or {(B, H, T, K)} (per key channel), got {tuple(g.shape)}"
+        )
     if state is not None and state.shape != (B, H, K, V):
         raise ValueError(f"state must be {(B, H, K, V)}, got {tuple(state.shape)}")
 
@@ -480,9 +469,9 @@ def chunk_delta_triton(
 def _fused_recurrent_delta_kernel(
     q, k, v, beta, g, h0, o, ht, scale, T,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, HAS_H0: tl.constexpr,
+    USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr, HAS_H0: tl.constexpr,
 ):
-    """S = a S; S += b k (v - k^T S)^T; o = q^T S, token by token; ht may alias h0."""
+    """S = diag(a) S; S += b k (v - k^T S)^T; o = q^T S, token by token; ht may alias h0."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     bh = i_bh.to(tl.int64)
     b, h = bh // H, bh % H
@@ -499,7 +488,7 @@ def _fused_recurrent_delta_kernel(
         b_v = tl.load(v + (bh * T + t) * V + cv, mask=m_v, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + bh * T + t).to(tl.float32)
         if USE_G:
-            state *= tl.exp(tl.load(g + bh * T + t).to(tl.float32))
+            state *= tl.exp(tl.load(g + (bh * T + t) * GK + ck * GS, mask=m_k, other=0.0).to(tl.float32))[:, None]
         error = b_v - tl.sum(b_k[:, None] * state, axis=0)
         state += (b_beta * b_k)[:, None] * error[None, :]
         for i_g in range(G):
@@ -532,6 +521,6 @@ def fused_recurrent_delta_triton(
     BV = min(_pow2(V), max(16, 8192 // BK))
     _fused_recurrent_delta_kernel[(_cdiv(V, BV), B * H)](
         q, k, v, beta, beta if g is None else g, ht if h0 is None else h0, o, ht, float(scale), T,
-        H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None, HAS_H0=h0 is not None,
+        H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, **_decay_meta(g), HAS_H0=h0 is not None,
     )  # fmt: skip
     return o, ht

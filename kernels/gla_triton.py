@@ -1000,6 +1000,30 @@ def _backward(
     return dq, dk, dv, dg, dh0, dz0
 
 
+def _score_grads(
+    q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor | None, dA: torch.Tensor, scale: float, BT: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dk) in fp32 through the in-chunk scores A = scale (q_i . k_j e^(gc_i - gc_j)) (`_scores`), given dA
+    [B, HQ, T, BT] (zero above the diagonal); dk summed over the query group."""
+    B, HQ, T, K = q.shape
+    H = k.shape[1]
+    G, N, NC = HQ // H, _cdiv(T, BT), BT // SUB_CHUNK
+    dqi = torch.empty(B, HQ, T, K, device=q.device, dtype=torch.float32)
+    dki = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32)
+    if gc is not None and gc.shape[-1] == 1:
+        _launch(
+            _bwd_intra_scalar, lambda t: (_cdiv(K, t["BK"]), N, B * H), q, k, gc, dA, dqi, dki, scale, T,
+            tiles={"BK": _block(K)}, H=H, G=G, K=K, BT=BT, PREC32=_kept_precision(q.dtype),
+        )
+    else:
+        _launch(
+            _bwd_intra, lambda t: (_cdiv(K, t["BK"]), N * NC, B * H), q, k, k if gc is None else gc, dA, dqi, dki,
+            scale, T, tiles={"BK": _block(K)}, warps=BLOCK_WARPS, H=H, G=G, K=K, BT=BT, BC=SUB_CHUNK, NC=NC,
+            USE_G=gc is not None, **_decay_strides(gc), **_dot_config(q.dtype), PREC32=_kept_precision(q.dtype),
+        )
+    return dqi, dki
+
+
 def _score_and_state_grads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor | None, hbuf: torch.Tensor,
     zbuf: torch.Tensor | None, do: torch.Tensor, dden: torch.Tensor | None, dhbuf: torch.Tensor,
@@ -1012,7 +1036,7 @@ def _score_and_state_grads(
     for one decay per head."""
     B, HQ, T, K = q.shape
     H, V = k.shape[1], v.shape[-1]
-    G, N, NC = HQ // H, _cdiv(T, BT), BT // SUB_CHUNK
+    G, N = HQ // H, _cdiv(T, BT)
     tiles = {"BK": _block(K), "BV": _block(V)}
     gp = k if gc is None else gc
     use_g = gc is not None
@@ -1022,19 +1046,7 @@ def _score_and_state_grads(
     decay = {"USE_G": use_g, **_decay_strides(gc)}
     dA = torch.empty(B, HQ, T, BT, device=q.device, dtype=torch.float32)
     _launch(_bwd_dscores, lambda t: (N, B * HQ), do, v, dden, dA, T, tiles={"BV": tiles["BV"]}, V=V, NORM=norm, **cfg)
-    dqi = torch.empty(B, HQ, T, K, device=q.device, dtype=torch.float32)
-    dki = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32)
-    if use_g and gc.shape[-1] == 1:
-        _launch(
-            _bwd_intra_scalar, lambda t: (_cdiv(K, t["BK"]), N, B * H), q, k, gc, dA, dqi, dki, scale, T,
-            tiles={"BK": tiles["BK"]}, H=H, G=G, K=K, BT=BT, PREC32=_kept_precision(q.dtype),
-        )
-    else:
-        _launch(
-            _bwd_intra, lambda t: (_cdiv(K, t["BK"]), N * NC, B * H), q, k, gp, dA, dqi, dki, scale, T,
-            tiles={"BK": tiles["BK"]}, warps=BLOCK_WARPS, K=K, BC=SUB_CHUNK, NC=NC, **decay, **cfg,
-            PREC32=_kept_precision(q.dtype),
-        )
+    dqi, dki = _score_grads(q, k, gc, dA, scale, BT)
     dq = torch.empty_like(q)
     dk = torch.empty(k.shape, device=k.device, dtype=dk_dtype or k.dtype)
     dg = torch.empty(B, H, T, K, device=q.device, dtype=torch.float32) if use_g else None

@@ -154,16 +154,14 @@ def make_inputs(
 
 
 def make_delta_inputs(
-    heads: tuple[int, int, int], T: int, K: int, V: int, device: torch.device, seed: int
+    heads: tuple[int, int, int], T: int, K: int, V: int, gate: str, device: torch.device, seed: int
 ) -> dict[str, torch.Tensor]:
-    """`make_inputs` for the delta rule: L2-normalized q and k, beta in (0, 1) and one decay per head
-    g [B, H, T], all bf16-representable as there."""
-    x = make_inputs(heads, T, K, V, "head", device, seed)
+    """`make_inputs` for the delta rule: L2-normalized q and k and beta in (0, 1), all bf16-representable as there."""
+    x = make_inputs(heads, T, K, V, gate, device, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     B, _, H = heads
     x["q"], x["k"] = (F.normalize(x[n], dim=-1).bfloat16().float() for n in ("q", "k"))
     x["beta"] = torch.rand(B, H, T, generator=gen).bfloat16().float().to(device)
-    x["g"] = x["g"][..., 0].contiguous()
     return x
 
 
@@ -258,12 +256,12 @@ def check_chunk(
     return [_row(kernel, name, T, K, V, gate, partial(run, dtype)) for name, dtype in CHECK_DTYPES.items()]
 
 
-def check_delta_chunk(plan: Plan, T: int, K: int, V: int, device: torch.device) -> list[CheckRow]:
+def check_delta_chunk(plan: Plan, T: int, K: int, V: int, gate: str, device: torch.device) -> list[CheckRow]:
     """The delta rule's chunked kernel, forward and backward, in every check dtype against one fp64 reference
     (the step-by-step recurrence for short T, the PyTorch chunked form beyond)."""
     from .delta_triton import chunk_delta_triton
 
-    x = make_delta_inputs(plan.check_heads, T, K, V, device, seed=T * 1000 + K + V + 7)
+    x = make_delta_inputs(plan.check_heads, T, K, V, gate, device, seed=T * 1000 + K + V + 7)
     scale = K**-0.5
     reference_fn = delta_recurrent if T <= RECURRENT_MAX_T else delta_chunked
     names = ("q", "k", "v", "beta", "g")
@@ -274,7 +272,7 @@ def check_delta_chunk(plan: Plan, T: int, K: int, V: int, device: torch.device) 
         got, seconds = _timed(device, partial(_outputs_and_grads, chunk_delta_triton, x, dtype, scale, names))
         return {n: relative_error(got[n], want[n]) for n in want}, seconds
 
-    return [_row("delta-chunk", name, T, K, V, "head", partial(run, dtype)) for name, dtype in CHECK_DTYPES.items()]
+    return [_row("delta-chunk", name, T, K, V, gate, partial(run, dtype)) for name, dtype in CHECK_DTYPES.items()]
 
 
 @torch.no_grad()
@@ -305,20 +303,21 @@ def run_checks(
     plan: Plan, device: torch.device, budget: float | None = None, delta: bool = True
 ) -> tuple[list[CheckRow], int]:
     """Every shape of the plan with per-channel gates, per-head gates at the shortest T, and the decoding step;
-    with `delta`, the delta rule's chunked kernel at every K and V at the shortest T and at the widest K, V at
-    every other T.
+    with `delta`, the delta rule's chunked kernel at every K and V at the shortest T (per-channel and per-head
+    decay) and per channel at the widest K, V at every other T.
 
     With a `budget` in seconds no case starts once it is spent: returns the rows run and how many cases were
     skipped. Every kernel runs at the shortest T before any longer T, so a short budget loses length, not kernels."""
     shortest = min(plan.seq_lens)
     cases = [(T, K, V, "channel", False) for T in plan.seq_lens for K in plan.key_dims for V in plan.value_dims]
     cases += [(shortest, K, V, gate, normalizer) for K in plan.key_dims for V in plan.value_dims for gate, normalizer in (("head", False), ("channel", True))]
-    delta_cases = [(shortest, K, V) for K in plan.key_dims for V in plan.value_dims] if delta else []
-    delta_cases += [(T, max(plan.key_dims), max(plan.value_dims)) for T in plan.seq_lens if T != shortest and delta]
+    delta_cases = [(shortest, K, V, gate) for K in plan.key_dims for V in plan.value_dims for gate in ("channel", "head")]
+    delta_cases += [(T, max(plan.key_dims), max(plan.value_dims), "channel") for T in plan.seq_lens if T != shortest]
+    delta_cases = delta_cases if delta else []
     # (longer than the shortest T, job), sorted so that every kernel runs at the shortest T before any longer T
     jobs = [(False, partial(check_decode, plan, K, V, device, normalizer)) for K in plan.key_dims for V in plan.value_dims for normalizer in (False, True)]
     jobs += [(T != shortest, partial(check_chunk, plan, T, K, V, gate, device, normalizer)) for T, K, V, gate, normalizer in cases]
-    jobs += [(T != shortest, partial(check_delta_chunk, plan, T, K, V, device)) for T, K, V in delta_cases]
+    jobs += [(T != shortest, partial(check_delta_chunk, plan, T, K, V, gate, device)) for T, K, V, gate in delta_cases]
     jobs.sort(key=lambda job: job[0])
     rows: list[CheckRow] = []
     started, skipped = time.perf_counter(), 0

@@ -51,7 +51,8 @@ def test_quick_check_passes_and_writes_its_report(tmp_path: Path, cli_env: dict[
     assert all(c["passed"] and c["error"] is None for c in checks)
     assert all(set(c["errors"]) == CHUNK_TENSORS for c in checks if c["kernel"].startswith("chunk"))
     assert all(set(c["errors"]) == DELTA_TENSORS for c in checks if c["kernel"] == "delta-chunk")
-    assert {(c["seq_len"], c["key_dim"]) for c in checks if c["kernel"] == "delta-chunk"} == {(32, 16), (32, 32), (80, 32)}
+    delta = {(c["seq_len"], c["key_dim"], c["gate"]) for c in checks if c["kernel"] == "delta-chunk"}
+    assert delta == {(32, 16, "channel"), (32, 32, "channel"), (80, 32, "channel"), (32, 16, "head"), (32, 32, "head")}
     assert all(e < 1e-4 for c in checks if c["dtype"] == "fp32" for e in c["errors"].values())
     assert set(report["compile"]) == {"fp32", "bf16"}
 

@@ -2,7 +2,8 @@
 
 `tests/conftest.py` sets TRITON_INTERPRET=1 before anything imports the kernels; shapes stay tiny
 because the interpreter runs each program instance in Python. Inputs come from the PyTorch tests'
-`make_inputs`: L2-normalized q and k, GQA, per-head decay and padded steps (beta = 0, g = 0).
+`make_inputs`: L2-normalized q and k, GQA, a decay per head or per key channel and padded steps
+(beta = 0, g = 0).
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 CASES = {
     # B, HQ, H, T, K, V, decay, initial state, chunk size
-    "gqa-gated-h0-T37-chunk16": (2, 4, 2, 37, 16, 8, True, True, 16),
-    "gqa-gated-T45-chunk32-K32-V24": (1, 4, 2, 45, 32, 24, True, False, 32),
-    "ungated-h0-T80-chunk64": (1, 2, 1, 80, 16, 16, False, True, 64),
-    "ungated-T20-chunk16-K32-V32": (2, 2, 2, 20, 32, 32, False, False, 16),
-    "gqa-gated-h0-T29-chunk16-V17": (1, 4, 2, 29, 16, 17, True, True, 16),  # a normalized layer's V = D + 1
+    "gqa-head-h0-T37-chunk16": (2, 4, 2, 37, 16, 8, "head", True, 16),
+    "gqa-head-T45-chunk32-K32-V24": (1, 4, 2, 45, 32, 24, "head", False, 32),
+    "ungated-h0-T80-chunk64": (1, 2, 1, 80, 16, 16, None, True, 64),
+    "ungated-T20-chunk16-K32-V32": (2, 2, 2, 20, 32, 32, None, False, 16),
+    "gqa-head-h0-T29-chunk16-V17": (1, 4, 2, 29, 16, 17, "head", True, 16),  # a normalized layer's V = D + 1
+    "gqa-channel-h0-T37-chunk16-V17": (1, 4, 2, 37, 16, 17, "channel", True, 16),
+    "channel-T70-chunk64-K32": (1, 2, 1, 70, 32, 16, "channel", False, 64),  # sub-chunks meet inside a chunk
 }
 
 
@@ -53,7 +56,7 @@ def test_chunk_matches_recurrent_and_chunked(case: tuple) -> None:
 
 def test_bf16_inputs() -> None:
     """bf16 q, k, v, beta, g (fp32 initial state): o and the gradients in the inputs' dtypes, near fp64."""
-    inputs = make_inputs(1, 4, 2, 40, 32, 16, decay=True, state=True)
+    inputs = make_inputs(1, 4, 2, 40, 32, 16, decay="channel", state=True)
     half = {n: x.detach().bfloat16().requires_grad_() for n, x in inputs.items() if n != "initial_state"}
     half["initial_state"] = inputs["initial_state"]
     got = outputs_and_grads(chunk_delta_triton, half, scale=0.8, chunk_size=32)
@@ -79,7 +82,7 @@ def test_env_routes_the_chunked_mode_through_triton(monkeypatch: pytest.MonkeyPa
             q, k, v, beta, g, scale=0.8, initial_state=initial_state, mode="chunk", chunk_size=16
         )
 
-    inputs = make_inputs(1, 4, 2, 21, 16, 16, decay=True, state=True)
+    inputs = make_inputs(1, 4, 2, 21, 16, 16, decay="head", state=True)
     monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
     want = outputs_and_grads(run, inputs)
     monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
@@ -99,7 +102,7 @@ def test_launches_run_under_the_inputs_device_guard(monkeypatch: pytest.MonkeyPa
         return guard(x)
 
     monkeypatch.setattr(delta_triton, "_device_guard", recording)
-    inputs = make_inputs(1, 2, 1, 17, 16, 16, decay=True, state=True)
+    inputs = make_inputs(1, 2, 1, 17, 16, 16, decay="head", state=True)
     outputs_and_grads(chunk_delta_triton, inputs, chunk_size=16)
     assert len(seen) == 2 and set(seen) == {inputs["q"].device}, "forward and backward"
 
@@ -123,7 +126,7 @@ def test_shape_errors_name_the_tensors() -> None:
     with pytest.raises(ValueError, match="beta"):
         chunk_delta_triton(q, k, v, beta[..., :4], g)
     with pytest.raises(ValueError, match="g must be"):
-        chunk_delta_triton(q, k, v, beta, g.unsqueeze(-1))
+        chunk_delta_triton(q, k, v, beta, g[..., 0])
     with pytest.raises(ValueError, match="state must be"):
         chunk_delta_triton(q, k, v, beta, g, initial_state=h0[..., :8])
 

@@ -436,7 +436,12 @@ def test_modules_import_without_gpu_or_interpreter() -> None:
 
 @pytest.mark.parametrize(
     "case",
-    [(1, 2, 2, 5, 16, 16, True, True), (2, 4, 2, 9, 16, 24, True, False), (1, 3, 1, 4, 32, 8, False, True), (1, 2, 1, 3, 16, 17, True, True)],
+    [
+        (1, 2, 2, 5, 16, 16, "head", True),
+        (2, 4, 2, 9, 16, 24, "channel", False),
+        (1, 3, 1, 4, 32, 8, None, True),
+        (1, 2, 1, 3, 16, 17, "channel", True),
+    ],
 )
 @torch.no_grad()
 def test_fused_recurrent_delta_matches_the_reference(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -450,7 +455,8 @@ def test_fused_recurrent_delta_matches_the_reference(case: tuple, monkeypatch: p
     k = torch.nn.functional.normalize(torch.randn(B, H, T, K, generator=gen), dim=-1)
     v = torch.randn(B, H, T, V, generator=gen)
     beta = torch.rand(B, H, T, generator=gen)
-    g = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=gen) + 3) if decay else None
+    channels = K if decay == "channel" else 1
+    g = torch.nn.functional.logsigmoid(torch.randn(B, H, T, channels, generator=gen) + 3) if decay else None
     h0 = torch.randn(B, H, K, V, generator=gen) if state else None
     want = delta_recurrent(q, k, v, beta, g, 0.8, h0)
     got = fused_recurrent_delta_triton(q, k, v, beta, g, 0.8, h0)
