@@ -29,7 +29,7 @@ LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     # hedgehog: per-half width (default head_dim); taylor: projection size d (default 16, 1 + d + d^2
     # features); performer: random features (default 4*head_dim)
     "feature_dim": None,
-    # "lowrank" (learned; per key channel for gla, per head for deltanet) | "key" (no weights) |
+    # "lowrank" (learned; per key channel, per head for taylor and unnormalized deltanet) | "key" (no weights) |
     # "retnet" (fixed multi-scale per-head decay, no weights) | "none"
     "gate": "lowrank",
     "gate_rank": 16,

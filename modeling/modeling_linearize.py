@@ -141,7 +141,7 @@ class LowRankGate(nn.Module):
         init.zeros_(self.up.weight)
         if self.channels > 1:  # per key channel (GLA): every head spans the range
             decay = torch.linspace(*self.decay_init, self.channels, dtype=torch.float64).repeat(self.heads)
-        else:  # one decay per head (the delta rule): the heads span it
+        else:  # one decay per head: the heads span it
             decay = torch.linspace(*self.decay_init, self.heads, dtype=torch.float64)
         # logsigmoid(b) / 16 = log(decay)  =>  b = logit(decay ** 16)
         init.copy_(self.up.bias, torch.logit(decay.pow(self.normalizer)).to(self.up.bias.dtype))
@@ -558,10 +558,11 @@ class LinearAttention(nn.Module):
         self.feature_channels = channels
         self.gate = None
         if self.kind != "performer" and settings["gate"] == "lowrank":
-            # GLA decays per key channel, which needs positive features (Hedgehog, elu): a per-channel
-            # decay of Taylor features, some of them negative, can drive the normalizer to zero. The
-            # delta rule and the Taylor map take one decay per head.
-            per_channel = self.kind == "gla" and self.map_name != "taylor"
+            # GLA and the delta rule in GLA's state (normalize) decay per key channel. The Taylor map takes
+            # one decay per head: a per-channel decay of its features, some of them negative, can drive the
+            # normalizer to zero. The delta rule's added L2 form keeps one per head too: per channel measured
+            # no better there.
+            per_channel = self.map_name != "taylor" and (self.kind == "gla" or self.normalize)
             self.gate = LowRankGate(
                 config.hidden_size,
                 self.n_kv_heads,
@@ -1000,7 +1001,7 @@ class LinearAttention(nn.Module):
         else:
             fq, fk = F.normalize(fq, dim=-1), F.normalize(fk, dim=-1) * keep
         o, state = gated_delta_rule(
-            fq, fk, v, beta[..., 0], None if g is None else g[..., 0],
+            fq, fk, v, beta[..., 0], g,
             initial_state=self._state(cache, "memory"), mode=mode, chunk_size=self.chunk_size,
         )  # fmt: skip
         self._store(cache, "memory", state)
