@@ -55,24 +55,27 @@ def delta_recurrent(
 def _decayed_products(x: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, diagonal: int) -> torch.Tensor:
     """(sum_c x_ic k_jc exp(gamma_ic - gamma_jc))_ij on and below the `diagonal`-th diagonal of each chunk, else 0.
 
-    x [..., C, K], k and gamma [..., C, K or 1] (broadcast against x's leading dims). One decay per head:
-    the decay matrix itself, the future masked before exponentiating. Per channel: each 16-row
-    sub-chunk of x meets the keys through its first row's decay, so exp(gamma_ic - ref) <= 1 and
+    x [..., R, C, K]: R rows of queries that share the keys k and decays gamma [..., C, K or 1] (a query
+    group; R = 1 for the keys themselves), stacked so every product is one plain batched matmul. One
+    decay per head: the decay matrix itself, the future masked before exponentiating. Per channel: each
+    16-row sub-chunk meets the keys through its first row's decay, so exp(gamma_ic - ref) <= 1 and
     exp(ref - gamma_jc) stays below exp(-15 MIN_LOG_DECAY) for the keys up to the sub-chunk's end.
     """
-    C = x.shape[-2]
+    R, C, K = x.shape[-3:]
     rows = torch.arange(C, device=x.device)
     lower = rows[:, None] - rows[None, :] >= -diagonal
     if gamma.shape[-1] == 1:
         diff = gamma - gamma.transpose(-1, -2)
-        return (x @ k.transpose(-1, -2)) * torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()
+        products = (x.flatten(-3, -2) @ k.transpose(-1, -2)).unflatten(-2, (R, C))
+        return products * torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp().unsqueeze(-3)
     S = min(SUB_CHUNK, C)
     ref = gamma[..., ::S, :]  # [..., C / S, K]: each sub-chunk's first row
-    xs = x * (gamma - ref.repeat_interleave(S, dim=-2)).exp()
+    xs = x * (gamma - ref.repeat_interleave(S, dim=-2)).exp().unsqueeze(-3)
+    xs = xs.unflatten(-2, (C // S, S)).transpose(-4, -3).flatten(-3, -2)  # [..., C / S, R * S, K]
     reach = rows[None, :] < rows[::S, None] + S  # [C / S, C]: the keys up to each sub-chunk's end
     exponent = ref.unsqueeze(-2) - gamma.unsqueeze(-3)  # [..., C / S, C, K]
     ks = k.unsqueeze(-3) * exponent.masked_fill(~reach[..., None], float("-inf")).exp()
-    products = xs.unflatten(-2, (C // S, S)) @ ks.transpose(-1, -2)  # [..., C / S, S, C]
+    products = (xs @ ks.transpose(-1, -2)).unflatten(-2, (R, S)).transpose(-4, -3)  # [..., R, C / S, S, C]
     return products.flatten(-3, -2).masked_fill(~lower, 0.0)
 
 
@@ -101,23 +104,27 @@ def delta_chunked(
         q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
         beta = F.pad(beta, (0, pad))
     N = (T + pad) // C
-    q = q.view(B, H, G, N, C, K)
+    q = q.view(B, H, G, N, C, K).transpose(2, 3)  # [B, H, N, G, C, K]: a group's queries share the keys
     k, v = k.view(B, H, N, C, K), v.view(B, H, N, C, V)
     beta, gamma = beta.view(B, H, N, C), g.view(B, H, N, C, -1).cumsum(-2)
-    A = beta[..., None] * _decayed_products(k, k, gamma, -1)
+    A = beta[..., None] * _decayed_products(k.unsqueeze(-3), k, gamma, -1).squeeze(-3)
     eye = torch.eye(C, dtype=acc, device=q.device)
     rhs = torch.cat([beta[..., None] * k * gamma.exp(), beta[..., None] * v], dim=-1)
     WU = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     W, U = WU[..., :K], WU[..., K:]
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
-    scores = _decayed_products(q, k.unsqueeze(2), gamma.unsqueeze(2), 0)  # [B, H, G, N, C, C]
-    query_decay = gamma.unsqueeze(2).exp()
+    scores = _decayed_products(q, k, gamma, 0)  # [B, H, N, G, C, C]
+    decayed_q = q * gamma.unsqueeze(-3).exp()
+    last = gamma[:, :, :, -1:]  # [B, H, N, 1, K or 1]
+    carried = last.transpose(-1, -2).exp()
+    decayed_k = (k * (last - gamma).exp()).transpose(-1, -2)
+    # Per chunk, one slice of each tensor: unbind's backward stacks the slices' gradients once, where
+    # indexing would write each into a zero tensor of the whole.
+    per_chunk = zip(U.unbind(2), W.unbind(2), decayed_q.unbind(2), scores.unbind(2), carried.unbind(2), decayed_k.unbind(2))
     outputs = []
-    for n in range(N):
-        fresh = U[:, :, n] - W[:, :, n] @ S
-        inter = (q[:, :, :, n] * query_decay[:, :, :, n]) @ S.unsqueeze(2)
-        outputs.append(inter + scores[:, :, :, n] @ fresh.unsqueeze(2))
-        last = gamma[:, :, n, -1:]  # [B, H, 1, K or 1]
-        S = last.transpose(-1, -2).exp() * S + (k[:, :, n] * (last - gamma[:, :, n]).exp()).transpose(-1, -2) @ fresh
+    for u, w, qn, sn, an, kn in per_chunk:
+        fresh = u - w @ S
+        outputs.append((qn @ S.unsqueeze(2)) + sn @ fresh.unsqueeze(2))
+        S = an * S + kn @ fresh
     o = torch.stack(outputs, dim=3).reshape(B, HQ, N * C, V)[:, :, :T]
     return o.to(dtype), S
