@@ -146,7 +146,7 @@ def test_deltanet_conversion_end_to_end(tiny_llama_dir, cli_env, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     settings = json.loads((tmp_path / "out" / "config.json").read_text())["linear_attention"]
     assert (settings["kind"], settings["feature_map"], settings["normalize"], settings["conv_size"]) == (
-        "deltanet", "identity", False, 4,
+        "deltanet", "hedgehog", True, 4,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
     ids = torch.tensor([[1, 5, 9, 12, 40, 41, 42]])

@@ -202,9 +202,9 @@ def test_switching_attention_kind_switches_its_defaults():
     assert (explicit.attention.feature_map, explicit.attention.gate) == ("elu", "key")
     # The delta rule keeps GLA's normalized state with positive features, and adds its output otherwise.
     delta = args("--model", "llama", "--attention", "deltanet")
-    assert (delta.attention.kind, delta.attention.feature_map, delta.attention.normalize) == ("deltanet", "identity", False)
-    delta = args("--model", "llama", "--attention", "deltanet", "--feature-map", "hedgehog")
-    assert (delta.attention.feature_map, delta.attention.normalize) == ("hedgehog", True)
+    assert (delta.attention.kind, delta.attention.feature_map, delta.attention.normalize) == ("deltanet", "hedgehog", True)
+    delta = args("--model", "llama", "--attention", "deltanet", "--feature-map", "identity")
+    assert (delta.attention.feature_map, delta.attention.normalize) == ("identity", False)
 
 
 def test_flags_override_a_recipe_file(tmp_path):
