@@ -216,11 +216,12 @@ def test_forms_equal_with_left_padding(case):
     assert_forms_equal(model, ids, mask, forms=("chunk", "recurrent", None))
 
 
+@pytest.mark.parametrize("gate", ["retnet", "lowrank"])
 @torch.no_grad()
-def test_normalized_delta_rule_without_erase_is_gla():
-    """The normalized delta rule keeps GLA's state and write: with its erase near zero it is GLA, and
-    the erase is what sets it apart."""
-    settings = {"feature_map": "hedgehog", "gate": "retnet", "window": 4, "sink": 2, "chunk_size": 16}
+def test_normalized_delta_rule_without_erase_is_gla(gate):
+    """The normalized delta rule keeps GLA's state, write and decay (GLA's own per-channel low-rank gate,
+    same weights): with its erase near zero it is GLA, and the erase is what sets it apart."""
+    settings = {"feature_map": "hedgehog", "gate": gate, "window": 4, "sink": 2, "chunk_size": 16}
     gla = make_model([LIN, FULL, LIN], settings, seed=1)
     delta = make_tiny_linearize([LIN, FULL, LIN], {**settings, "kind": "deltanet", "normalize": True})
     missing, unexpected = delta.load_state_dict(gla.state_dict(), strict=False)
