@@ -39,7 +39,7 @@ try:  # in a try block, which transformers' remote-code import check skips: expo
         _block,
         _cdiv,
         _chunk_len,
-        _decay_strides,
+        _decay_meta,
         _device_guard,
         _dot_config,
         _fitting_tiles,
@@ -286,11 +286,6 @@ _ut_bwd = _tuned(_ut_bwd_kernel, ["BT", "K", "V", "USE_G", "GS"], ("BK", "BV"))
 def _full_k(K: int) -> int:
     """The scans' key tile: all of K in one power-of-two block."""
     return max(16, _pow2(K))
-
-
-def _decay_meta(gc: torch.Tensor | None) -> dict:
-    """USE_G and the decay's strides (a per-head decay is read for every channel)."""
-    return {"USE_G": gc is not None, **_decay_strides(gc)}
 
 
 def _ut_transform(

@@ -833,10 +833,10 @@ def _kept_precision(dtype: torch.dtype) -> str:
     return "tf32" if half or torch.get_float32_matmul_precision() != "highest" else "ieee"
 
 
-def _decay_strides(g: torch.Tensor | None) -> dict:
-    """Row and channel strides of the decay: a per-head decay [.., 1] is read for every channel (stride 0)."""
+def _decay_meta(g: torch.Tensor | None) -> dict:
+    """USE_G and the decay's row and channel strides: a per-head decay [.., 1] is read for every channel (stride 0)."""
     width = 1 if g is None else g.shape[-1]
-    return {"GK": width, "GS": int(width > 1)}
+    return {"USE_G": g is not None, "GK": width, "GS": int(width > 1)}
 
 
 def _local_cumsum(g: torch.Tensor, BT: int) -> torch.Tensor:
@@ -914,7 +914,7 @@ def _states(
         _fwd_state, lambda t: (_cdiv(K, t["BK"]) * _cdiv(V, t["BV"]), NS, B * H),
         k, v, k if gc is None else gc, k if h0 is None else h0, hbuf,
         k if z0 is None else z0, hbuf if zbuf is None else zbuf, dbuf, tbuf, T, N, S, tiles=tiles,
-        K=K, V=V, BT=BT, USE_G=gc is not None, HAS_H0=h0 is not None, NORM=norm, **_decay_strides(gc),
+        K=K, V=V, BT=BT, HAS_H0=h0 is not None, NORM=norm, **_decay_meta(gc),
         **_dot_config(k.dtype),
     )
     _finish_scan((hbuf, zbuf), gc, dbuf, tbuf, S, NS, reverse=False)
@@ -934,7 +934,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor | None, scale: fl
     NC = BT // SUB_CHUNK
     _launch(
         _intra_scores, lambda t: (_cdiv(T, BT), NC * (NC + 1) // 2, B * HQ), q, k, k if gc is None else gc, A, scale, T,
-        tiles={"BK": _block(K)}, warps=BLOCK_WARPS, BC=SUB_CHUNK, NC=NC, USE_G=gc is not None, **cfg, **_decay_strides(gc),
+        tiles={"BK": _block(K)}, warps=BLOCK_WARPS, BC=SUB_CHUNK, NC=NC, **cfg, **_decay_meta(gc),
         **_dot_config(q.dtype), PREC32=_kept_precision(q.dtype),
     )
     return A
@@ -952,7 +952,7 @@ def _output(
         _fwd_output, lambda t: (_cdiv(V, t["BV"]), _cdiv(T, BT), B * HQ),
         q, v, q if gc is None else gc, hbuf, hbuf if zbuf is None else zbuf, A, o, scale, T, hbuf.shape[2],
         tiles={"BK": _block(K), "BV": _block(V)},
-        H=H, G=HQ // H, K=K, V=V, BT=BT, USE_G=gc is not None, NORM=zbuf is not None, **_decay_strides(gc),
+        H=H, G=HQ // H, K=K, V=V, BT=BT, NORM=zbuf is not None, **_decay_meta(gc),
         **_dot_config(q.dtype),
     )
     return o
@@ -973,9 +973,8 @@ def _backward(
     G, N = HQ // H, _cdiv(T, BT)
     tiles = {"BK": _block(K), "BV": _block(V)}
     gp = k if gc is None else gc
-    use_g = gc is not None
     cfg = {"H": H, "G": G, "BT": BT, **_dot_config(q.dtype)}
-    decay = {"USE_G": use_g, **_decay_strides(gc)}
+    decay = _decay_meta(gc)
     hbuf, zbuf = _states(k, v, gc, h0, z0, BT, norm=norm, state_dtype=state_dtype)
 
     dhbuf = torch.empty(B, H, N + 1, K, V, device=q.device, dtype=torch.float32)
@@ -1019,7 +1018,7 @@ def _score_grads(
         _launch(
             _bwd_intra, lambda t: (_cdiv(K, t["BK"]), N * NC, B * H), q, k, k if gc is None else gc, dA, dqi, dki,
             scale, T, tiles={"BK": _block(K)}, warps=BLOCK_WARPS, H=H, G=G, K=K, BT=BT, BC=SUB_CHUNK, NC=NC,
-            USE_G=gc is not None, **_decay_strides(gc), **_dot_config(q.dtype), PREC32=_kept_precision(q.dtype),
+            **_decay_meta(gc), **_dot_config(q.dtype), PREC32=_kept_precision(q.dtype),
         )
     return dqi, dki
 
@@ -1043,7 +1042,7 @@ def _score_and_state_grads(
     norm = dden is not None
     dden = do if dden is None else dden  # (a placeholder pointer without the normalizer)
     cfg = {"H": H, "G": G, "BT": BT, **_dot_config(q.dtype)}
-    decay = {"USE_G": use_g, **_decay_strides(gc)}
+    decay = _decay_meta(gc)
     dA = torch.empty(B, HQ, T, BT, device=q.device, dtype=torch.float32)
     _launch(_bwd_dscores, lambda t: (N, B * HQ), do, v, dden, dA, T, tiles={"BV": tiles["BV"]}, V=V, NORM=norm, **cfg)
     dqi, dki = _score_grads(q, k, gc, dA, scale, BT)
@@ -1200,7 +1199,7 @@ def fused_recurrent_gla_triton(
     with _device_guard(q):
         _fused_recurrent_kernel[(_cdiv(V, BV), B * H)](
             q, k, v, k if g is None else g, ht if h0 is None else h0, o, ht, float(scale), T,
-            H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None, HAS_H0=h0 is not None, NORM=normalizer,
-            SV=SV, **_decay_strides(g),
+            H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, NORM=normalizer,
+            SV=SV, **_decay_meta(g),
         )
     return o, ht
