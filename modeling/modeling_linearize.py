@@ -984,7 +984,7 @@ class LinearAttention(nn.Module):
 
         Normalized (positive features): GLA's state, the value with its normalizer column of ones
         written under phi(k), and before each write the delta rule erases along the unit key
-        e = phi(k) / |phi(k)|: S_t = a_t S_{t-1} (I - b_t e_t e_t^T) + b_t u_t e_t^T with u_t =
+        e = phi(k) / |phi(k)|: S_t = S_{t-1} diag(a_t) (I - b_t e_t e_t^T) + b_t u_t e_t^T with u_t =
         |phi(k_t)| [v_t, 1] / b_t, so the write is GLA's whatever b_t, which only sets the erase. As
         b_t -> 0 the layer is GLA; it is read by phi(q) and divided together with the window, as GLA is.
 
