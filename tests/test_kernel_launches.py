@@ -1,0 +1,245 @@
+"""The Triton kernels' launches as a GPU runs them, checked under the interpreter: every tile, no stray access, no race.
+
+Tiles: on a GPU the autotuner (LINEARIZE_AUTOTUNE=1) times each config of BK / BV several times on the
+real buffers. Fixed tiles are the default (on an H200 tuning once stopped with an illegal memory access,
+README "GPU check"), so these configs never run in the other tests. Here each one must give the
+reference result, with every tuned launch repeated as a timing rerun repeats it, and must neither write
+outside its buffers nor read past them: each launch runs on copies of its tensors' storages fenced by
+0xFF bytes (a NaN in every float dtype), so a stray read turns the result NaN and a stray write shows in
+the fence.
+
+Races: the interpreter runs a grid's programs one after another, a GPU runs them at once in no order.
+So no program may read or write an address that another program of the same launch writes; every
+load and store is logged with its program to check that.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from test_kernels_delta import make_inputs as delta_inputs  # noqa: E402
+from test_kernels_delta import outputs_and_grads as delta_outputs_and_grads  # noqa: E402
+from test_kernels_triton import assert_all_close, make_inputs, outputs_and_grads  # noqa: E402
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from linearize.kernels import delta_triton, feature_maps_triton, gla_triton  # noqa: E402
+from linearize.kernels.delta_torch import delta_recurrent  # noqa: E402
+from linearize.kernels.gla_torch import gla_parallel  # noqa: E402
+
+if not isinstance(gla_triton._fwd_state_kernel, InterpretedFunction):
+    pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+FENCE = 4096  # bytes of 0xFF on each side of every storage a launch sees
+RERUNS = 2  # launches of each tuned kernel per call, as the autotuner's timing runs launch it
+
+
+class FencedLaunches:
+    """Stands in for `gla_triton._launch`: forces `tiles` onto every launch (each launched kernel is a tuned one,
+    and the names in `tiles` are the ones it tunes) and runs each on fenced copies, recording what crossed a fence."""
+
+    def __init__(self, tiles: dict[str, int]) -> None:
+        self.tiles = tiles
+        self.launched: set[str] = set()
+        self.crossed: list[str] = []
+        self._launch = gla_triton._launch
+
+    def __call__(self, kernel: Any, grid: Any, *args: Any, tiles: dict[str, int], **meta: Any) -> None:
+        name = kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
+        self.launched.add(name)
+        fenced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # storage address -> (its bytes, the fenced copy)
+        views = []
+        for arg in args:
+            if not isinstance(arg, torch.Tensor):
+                views.append(arg)
+                continue
+            storage = arg.untyped_storage()
+            if storage.data_ptr() not in fenced:
+                original = torch.empty(0, dtype=torch.uint8).set_(storage)
+                copy = torch.full((storage.nbytes() + 2 * FENCE,), 0xFF, dtype=torch.uint8)
+                copy[FENCE : FENCE + storage.nbytes()] = original
+                fenced[storage.data_ptr()] = (original, copy)
+            copy = fenced[storage.data_ptr()][1]
+            inside = copy[FENCE : FENCE + storage.nbytes()].view(arg.dtype)
+            views.append(inside.as_strided(arg.shape, arg.stride(), inside.storage_offset() + arg.storage_offset()))
+        forced = {tile: self.tiles[tile] for tile in tiles}
+        for _ in range(RERUNS):
+            self._launch(kernel, grid, *views, tiles=forced, **meta)
+        for original, copy in fenced.values():
+            crossed = int((copy[:FENCE] != 0xFF).sum() + (copy[FENCE + original.numel() :] != 0xFF).sum())
+            if crossed:
+                size = original.numel()
+                self.crossed.append(f"{name} {forced}: {crossed} bytes written outside a {size}-byte storage")
+            original.copy_(copy[FENCE : FENCE + original.numel()])
+
+
+class ProgramAccesses:
+    """Logs each interpreted launch's loads and stores by program; `races` names every launch in which a program
+    reads or writes an address that another program of the launch writes (a GPU orders neither)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.races: list[str] = []
+        self.launched: set[str] = set()
+        self._reads: list[tuple[int, np.ndarray]] = []
+        self._writes: list[tuple[int, np.ndarray]] = []
+        builder = interpreter.interpreter_builder
+        load, store, run = builder.create_masked_load, builder.create_masked_store, interpreter.GridExecutor.__call__
+
+        def program() -> int:
+            (x, y, z), (nx, ny, _) = builder.grid_idx, builder.grid_dim
+            return x + nx * (y + ny * z)
+
+        def addresses(ptrs: Any, mask: Any) -> np.ndarray:
+            where = np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data))
+            return np.asarray(ptrs.data)[where].astype(np.int64)
+
+        def logged_load(ptrs, mask, *args):
+            self._reads.append((program(), addresses(ptrs, mask)))
+            return load(ptrs, mask, *args)
+
+        def logged_store(ptrs, value, mask, *args):
+            self._writes.append((program(), addresses(ptrs, mask)))
+            return store(ptrs, value, mask, *args)
+
+        def logged_run(executor, *args, **kwargs):
+            self._reads, self._writes = [], []
+            out = run(executor, *args, **kwargs)
+            self.launched.add(executor.fn.__name__)
+            self._check(executor.fn.__name__)
+            return out
+
+        monkeypatch.setattr(builder, "create_masked_load", logged_load)
+        monkeypatch.setattr(builder, "create_masked_store", logged_store)
+        monkeypatch.setattr(interpreter.GridExecutor, "__call__", logged_run)
+
+    @staticmethod
+    def _table(log: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        """(addresses, programs), one row per access."""
+        if not log:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate([a for _, a in log]), np.concatenate([np.full(len(a), p) for p, a in log])
+
+    def _check(self, name: str) -> None:
+        written, writers = self._table(self._writes)
+        if not len(written):
+            return
+        written, writers = np.unique(np.stack([written, writers]), axis=1)  # one row per (address, program)
+        shared = int((np.unique(written, return_counts=True)[1] > 1).sum())
+        read, readers = self._table(self._reads)
+        at = np.minimum(np.searchsorted(written, read), len(written) - 1)
+        crossed = int(((written[at] == read) & (writers[at] != readers)).sum())
+        if shared or crossed:
+            self.races.append(
+                f"{name}: {shared} addresses written by several programs, {crossed} reads of another's writes"
+            )
+
+
+def _force(monkeypatch: pytest.MonkeyPatch, tiles: dict[str, int]) -> tuple[FencedLaunches, ProgramAccesses]:
+    launches = FencedLaunches(tiles)
+    for module in (gla_triton, delta_triton):
+        monkeypatch.setattr(module, "_launch", launches)
+    return launches, ProgramAccesses(monkeypatch)
+
+
+# K = V = 64: the autotuner keeps BK, BV in {32, 64} (`_fitting_tiles`); each config meets one kind of decay.
+CONFIGS = [dict(zip(("BK", "BV"), tiles)) for tiles in itertools.product((32, 64), repeat=2)]
+
+
+def _cases(modes: list[str]) -> list:
+    return [pytest.param(c, m, id=f"BK{c['BK']}-BV{c['BV']}-{m}") for c, m in zip(CONFIGS, modes, strict=True)]
+
+GLA_KERNELS = {
+    "_fwd_state_kernel", "_fwd_output_kernel", "_bwd_dstate_kernel", "_bwd_dscores_kernel", "_bwd_dv_kernel",
+    "_bwd_inter_kernel",
+}  # fmt: skip
+DELTA_KERNELS = {"_ut_fwd_kernel", "_delta_state_kernel", "_dv_local_kernel", "_delta_dstate_kernel", "_ut_bwd_kernel"}
+
+
+@pytest.mark.parametrize("tiles, mode", _cases(["channel+normalizer", "head", "none", "channel"]))
+def test_chunked_gla_at_every_tile(tiles: dict[str, int], mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """o, the final state and every gradient: 3 chunks of 32 in 2 segments, GQA, with an initial state."""
+    decay, normalizer = mode.removesuffix("+normalizer"), mode.endswith("+normalizer")
+    inputs = make_inputs(1, 2, 1, 70, 64, 64, decay=decay != "none", state=True)
+    if decay == "head":
+        inputs["g"] = inputs["g"].detach()[..., :1].requires_grad_()
+    reference_inputs = dict(inputs)
+    if normalizer:  # the [K] normalizer beside the state is a value column of ones (`ops.with_normalizer`)
+        state = torch.cat([inputs["initial_state"].detach(), torch.rand(1, 1, 64, 1)], -1)
+        inputs["initial_state"] = state.requires_grad_()
+        reference_inputs = dict(inputs, v=torch.cat([inputs["v"], torch.ones(1, 1, 70, 1)], -1))
+    want = outputs_and_grads(gla_parallel, reference_inputs)
+    if normalizer:
+        want[4] = want[4][..., :-1]  # dv: the ones column's share is not v's
+    monkeypatch.setattr(gla_triton, "_segment_len", lambda N, programs: 2)
+    launches, accesses = _force(monkeypatch, tiles)
+    got = outputs_and_grads(lambda *a: gla_triton.chunk_gla_triton(*a, chunk_size=32, normalizer=normalizer), inputs)
+    assert launches.crossed == [], "\n".join(launches.crossed)
+    assert accesses.races == [], "\n".join(accesses.races)
+    assert GLA_KERNELS <= launches.launched
+    assert_all_close(got, want)
+
+
+@pytest.mark.parametrize("tiles, decay", _cases(["channel", "head", "channel", "head"]))
+def test_chunked_delta_rule_at_every_tile(tiles: dict[str, int], decay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The delta rule's own tuned kernels and GLA's that it reuses, against the recurrence."""
+    inputs = delta_inputs(1, 2, 1, 45, 64, 64, decay=decay, state=True)
+    want = delta_outputs_and_grads(delta_recurrent, inputs, scale=0.8)
+    launches, accesses = _force(monkeypatch, tiles)
+    got = delta_outputs_and_grads(delta_triton.chunk_delta_triton, inputs, scale=0.8, chunk_size=16)
+    assert launches.crossed == [], "\n".join(launches.crossed)
+    assert accesses.races == [], "\n".join(accesses.races)
+    assert DELTA_KERNELS <= launches.launched
+    assert_all_close(got, want)
+
+
+def test_the_fence_catches_a_stray_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch whose output is shorter than T rows writes into the fence, and is caught."""
+    launches, _ = _force(monkeypatch, {"BK": 64, "BV": 64})
+    g, gc = torch.zeros(1, 1, 32, 64), torch.zeros(1, 1, 16, 64)
+    launches(gla_triton._chunk_cumsum_kernel, lambda t: (1, 2, 1), g, gc, 32, tiles={"BK": 64}, K=64, BT=16)
+    assert launches.crossed == ["_chunk_cumsum_kernel {'BK': 64}: 4096 bytes written outside a 4096-byte storage"]
+
+
+def test_steps_and_feature_maps_have_no_races(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels outside the chunked forms: both decoding steps with GQA (each updates a state its query
+    group shares) and the fused feature maps, forward and backward."""
+    accesses = ProgramAccesses(monkeypatch)
+    gla = {n: x.detach() for n, x in make_inputs(1, 4, 2, 2, 64, 64, decay=True, state=True).items()}
+    gla_triton.fused_recurrent_gla_triton(gla["q"], gla["k"], gla["v"], gla["g"], 0.7, gla["initial_state"].clone())
+    delta = {n: x.detach() for n, x in delta_inputs(1, 4, 2, 2, 64, 64, decay="channel", state=True).items()}
+    delta_triton.fused_recurrent_delta_triton(
+        delta["q"], delta["k"], delta["v"], delta["beta"], delta["g"], 0.8, delta["initial_state"].clone()
+    )
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, 20, generator=gen).requires_grad_()
+    weight = (torch.randn(3, 20, 24, generator=gen) * 0.3).requires_grad_()
+    bias = torch.randn(3, 24, generator=gen).requires_grad_()
+    torch.autograd.grad(feature_maps_triton.hedgehog_triton(x, weight, bias).sum(), [x, weight, bias])
+    logits = torch.randn(2, 3, 40, 37, generator=gen).requires_grad_()
+    stabilizer = torch.randn(2, 3, 40, 1, generator=gen).requires_grad_()
+    torch.autograd.grad(feature_maps_triton.performer_triton(logits, stabilizer).sum(), [logits, stabilizer])
+    assert accesses.races == [], "\n".join(accesses.races)
+    assert len(accesses.launched) >= 5, accesses.launched
+
+
+@triton.jit
+def _neighbour_kernel(x, last):
+    """Each of two programs adds one to the other's element and writes its own id to one shared slot: a race."""
+    i = tl.program_id(0)
+    tl.store(x + i, tl.load(x + 1 - i) + 1.0)
+    tl.store(last, i)
+
+
+def test_the_log_catches_a_race(monkeypatch: pytest.MonkeyPatch) -> None:
+    accesses = ProgramAccesses(monkeypatch)
+    _neighbour_kernel[(2,)](torch.zeros(2), torch.zeros(1, dtype=torch.int32))
+    assert accesses.races == ["_neighbour_kernel: 1 addresses written by several programs, 2 reads of another's writes"]
