@@ -188,6 +188,17 @@ def test_chunked_gla_at_every_tile(tiles: dict[str, int], mode: str, monkeypatch
     assert_all_close(got, want)
 
 
+def test_chunked_gla_at_the_widest_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """K = V = 128 lets the autotuner try 128-wide tiles: one mixed with the narrowest, 3 chunks of 16 in 2 segments."""
+    inputs = make_inputs(1, 2, 1, 40, 128, 128, decay=True, state=True)
+    want = outputs_and_grads(gla_parallel, inputs)
+    monkeypatch.setattr(gla_triton, "_segment_len", lambda N, programs: 2)
+    launches, accesses = _force(monkeypatch, {"BK": 128, "BV": 32})
+    got = outputs_and_grads(lambda *a: gla_triton.chunk_gla_triton(*a, chunk_size=16), inputs)
+    assert launches.crossed == [] and accesses.races == []
+    assert_all_close(got, want)
+
+
 @pytest.mark.parametrize("tiles, decay", _cases(["channel", "head", "channel", "head"]))
 def test_chunked_delta_rule_at_every_tile(tiles: dict[str, int], decay: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The delta rule's own tuned kernels and GLA's that it reuses, against the recurrence."""
