@@ -157,6 +157,7 @@ CONFIGS = [dict(zip(("BK", "BV"), tiles)) for tiles in itertools.product((32, 64
 def _cases(modes: list[str]) -> list:
     return [pytest.param(c, m, id=f"BK{c['BK']}-BV{c['BV']}-{m}") for c, m in zip(CONFIGS, modes, strict=True)]
 
+
 GLA_KERNELS = {
     "_fwd_state_kernel", "_fwd_output_kernel", "_bwd_dstate_kernel", "_bwd_dscores_kernel", "_bwd_dv_kernel",
     "_bwd_inter_kernel",
