@@ -6,7 +6,8 @@ README "GPU check"), so these configs never run in the other tests. Here each on
 reference result, with every tuned launch repeated as a timing rerun repeats it, and must neither write
 outside its buffers nor read past them: each launch runs on copies of its tensors' storages fenced by
 0xFF bytes (a NaN in every float dtype), so a stray read turns the result NaN and a stray write shows in
-the fence.
+the fence. The kernels without tiles to tune (the decoding steps, the feature maps, the scans' later
+passes) run fenced too.
 
 Races: the interpreter runs a grid's programs one after another, a GPU runs them at once in no order.
 So no program may read or write an address that another program of the same launch writes; every
@@ -32,9 +33,9 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from linearize.kernels import delta_triton, feature_maps_triton, gla_triton  # noqa: E402
+from linearize.kernels import delta_triton, feature_maps, gla_triton  # noqa: E402
 from linearize.kernels.delta_torch import delta_recurrent  # noqa: E402
-from linearize.kernels.gla_torch import gla_parallel  # noqa: E402
+from linearize.kernels.gla_torch import gla_parallel, gla_recurrent  # noqa: E402
 
 if not isinstance(gla_triton._fwd_state_kernel, InterpretedFunction):
     pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1", allow_module_level=True)
@@ -43,50 +44,31 @@ FENCE = 4096  # bytes of 0xFF on each side of every storage a launch sees
 RERUNS = 2  # launches of each tuned kernel per call, as the autotuner's timing runs launch it
 
 
-class FencedLaunches:
-    """Stands in for `gla_triton._launch`: forces `tiles` onto every launch (each launched kernel is a tuned one,
-    and the names in `tiles` are the ones it tunes) and runs each on fenced copies, recording what crossed a fence."""
-
-    def __init__(self, tiles: dict[str, int]) -> None:
-        self.tiles = tiles
-        self.launched: set[str] = set()
-        self.crossed: list[str] = []
-        self._launch = gla_triton._launch
-
-    def __call__(self, kernel: Any, grid: Any, *args: Any, tiles: dict[str, int], **meta: Any) -> None:
-        name = kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
-        self.launched.add(name)
-        fenced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # storage address -> (its bytes, the fenced copy)
-        views = []
-        for arg in args:
-            if not isinstance(arg, torch.Tensor):
-                views.append(arg)
-                continue
-            storage = arg.untyped_storage()
-            if storage.data_ptr() not in fenced:
-                original = torch.empty(0, dtype=torch.uint8).set_(storage)
-                copy = torch.full((storage.nbytes() + 2 * FENCE,), 0xFF, dtype=torch.uint8)
-                copy[FENCE : FENCE + storage.nbytes()] = original
-                fenced[storage.data_ptr()] = (original, copy)
-            copy = fenced[storage.data_ptr()][1]
-            inside = copy[FENCE : FENCE + storage.nbytes()].view(arg.dtype)
-            views.append(inside.as_strided(arg.shape, arg.stride(), inside.storage_offset() + arg.storage_offset()))
-        forced = {tile: self.tiles[tile] for tile in tiles}
-        for _ in range(RERUNS):
-            self._launch(kernel, grid, *views, tiles=forced, **meta)
-        for original, copy in fenced.values():
-            crossed = int((copy[:FENCE] != 0xFF).sum() + (copy[FENCE + original.numel() :] != 0xFF).sum())
-            if crossed:
-                size = original.numel()
-                self.crossed.append(f"{name} {forced}: {crossed} bytes written outside a {size}-byte storage")
-            original.copy_(copy[FENCE : FENCE + original.numel()])
+def _fenced(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Views of `tensors` into copies of their storages with FENCE bytes of 0xFF on each side (views of one
+    storage stay views of one copy), and the (storage bytes, copy) pairs to check and copy back."""
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    views = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in copies:
+            original = torch.empty(0, dtype=torch.uint8).set_(storage)
+            copy = torch.full((storage.nbytes() + 2 * FENCE,), 0xFF, dtype=torch.uint8)
+            copy[FENCE : FENCE + storage.nbytes()] = original
+            copies[storage.data_ptr()] = (original, copy)
+        inside = copies[storage.data_ptr()][1][FENCE : FENCE + storage.nbytes()].view(tensor.dtype)
+        offset = inside.storage_offset() + tensor.storage_offset()
+        views.append(inside.as_strided(tensor.shape, tensor.stride(), offset))
+    return views, list(copies.values())
 
 
-class ProgramAccesses:
-    """Logs each interpreted launch's loads and stores by program; `races` names every launch in which a program
-    reads or writes an address that another program of the launch writes (a GPU orders neither)."""
+class CheckedLaunches:
+    """Wraps every interpreted launch: it runs on fenced copies of its tensors (`crossed` names each launch that
+    wrote into a fence), and each program's loads and stores are logged (`races` names each launch in which a
+    program reads or writes an address that another program of the launch writes: a GPU orders neither)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.crossed: list[str] = []
         self.races: list[str] = []
         self.launched: set[str] = set()
         self._reads: list[tuple[int, np.ndarray]] = []
@@ -110,16 +92,28 @@ class ProgramAccesses:
             self._writes.append((program(), addresses(ptrs, mask)))
             return store(ptrs, value, mask, *args)
 
-        def logged_run(executor, *args, **kwargs):
+        def checked_run(executor, *args, **kwargs):
+            name = executor.fn.__name__
+            self.launched.add(name)
+            at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            views, copies = _fenced([args[i] for i in at])
+            args = list(args)
+            for i, view in zip(at, views, strict=True):
+                args[i] = view
             self._reads, self._writes = [], []
             out = run(executor, *args, **kwargs)
-            self.launched.add(executor.fn.__name__)
-            self._check(executor.fn.__name__)
+            self._check_races(name)
+            for original, copy in copies:
+                size = original.numel()
+                crossed = int((copy[:FENCE] != 0xFF).sum() + (copy[FENCE + size :] != 0xFF).sum())
+                if crossed:
+                    self.crossed.append(f"{name}: {crossed} bytes written outside a {size}-byte storage")
+                original.copy_(copy[FENCE : FENCE + size])
             return out
 
         monkeypatch.setattr(builder, "create_masked_load", logged_load)
         monkeypatch.setattr(builder, "create_masked_store", logged_store)
-        monkeypatch.setattr(interpreter.GridExecutor, "__call__", logged_run)
+        monkeypatch.setattr(interpreter.GridExecutor, "__call__", checked_run)
 
     @staticmethod
     def _table(log: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -128,7 +122,7 @@ class ProgramAccesses:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate([a for _, a in log]), np.concatenate([np.full(len(a), p) for p, a in log])
 
-    def _check(self, name: str) -> None:
+    def _check_races(self, name: str) -> None:
         written, writers = self._table(self._writes)
         if not len(written):
             return
@@ -142,12 +136,24 @@ class ProgramAccesses:
                 f"{name}: {shared} addresses written by several programs, {crossed} reads of another's writes"
             )
 
+    def assert_clean(self) -> None:
+        assert self.crossed == [], "\n".join(self.crossed)
+        assert self.races == [], "\n".join(self.races)
 
-def _force(monkeypatch: pytest.MonkeyPatch, tiles: dict[str, int]) -> tuple[FencedLaunches, ProgramAccesses]:
-    launches = FencedLaunches(tiles)
+
+def _force(monkeypatch: pytest.MonkeyPatch, tiles: dict[str, int]) -> CheckedLaunches:
+    """Every launch checked, and `tiles` forced onto every `_launch` (each kernel it launches is a tuned one, and the
+    names in its `tiles` are the ones that kernel tunes), which launches RERUNS times as the autotuner's timing does."""
+    launch = gla_triton._launch
+
+    def forced(kernel: Any, grid: Any, *args: Any, tiles: dict[str, int], **meta: Any) -> None:
+        for _ in range(RERUNS):
+            launch(kernel, grid, *args, tiles={tile: chosen[tile] for tile in tiles}, **meta)
+
+    chosen = tiles
     for module in (gla_triton, delta_triton):
-        monkeypatch.setattr(module, "_launch", launches)
-    return launches, ProgramAccesses(monkeypatch)
+        monkeypatch.setattr(module, "_launch", forced)
+    return CheckedLaunches(monkeypatch)
 
 
 # K = V = 64: the autotuner keeps BK, BV in {32, 64} (`_fitting_tiles`); each config meets one kind of decay.
@@ -181,10 +187,9 @@ def test_chunked_gla_at_every_tile(tiles: dict[str, int], mode: str, monkeypatch
     if normalizer:
         want[4] = want[4][..., :-1]  # dv: the ones column's share is not v's
     monkeypatch.setattr(gla_triton, "_segment_len", lambda N, programs: 2)
-    launches, accesses = _force(monkeypatch, tiles)
+    launches = _force(monkeypatch, tiles)
     got = outputs_and_grads(lambda *a: gla_triton.chunk_gla_triton(*a, chunk_size=32, normalizer=normalizer), inputs)
-    assert launches.crossed == [], "\n".join(launches.crossed)
-    assert accesses.races == [], "\n".join(accesses.races)
+    launches.assert_clean()
     assert GLA_KERNELS <= launches.launched
     assert_all_close(got, want)
 
@@ -194,9 +199,9 @@ def test_chunked_gla_at_the_widest_tile(monkeypatch: pytest.MonkeyPatch) -> None
     inputs = make_inputs(1, 2, 1, 40, 128, 128, decay=True, state=True)
     want = outputs_and_grads(gla_parallel, inputs)
     monkeypatch.setattr(gla_triton, "_segment_len", lambda N, programs: 2)
-    launches, accesses = _force(monkeypatch, {"BK": 128, "BV": 32})
+    launches = _force(monkeypatch, {"BK": 128, "BV": 32})
     got = outputs_and_grads(lambda *a: gla_triton.chunk_gla_triton(*a, chunk_size=16), inputs)
-    assert launches.crossed == [] and accesses.races == []
+    launches.assert_clean()
     assert_all_close(got, want)
 
 
@@ -205,42 +210,52 @@ def test_chunked_delta_rule_at_every_tile(tiles: dict[str, int], decay: str, mon
     """The delta rule's own tuned kernels and GLA's that it reuses, against the recurrence."""
     inputs = delta_inputs(1, 2, 1, 45, 64, 64, decay=decay, state=True)
     want = delta_outputs_and_grads(delta_recurrent, inputs, scale=0.8)
-    launches, accesses = _force(monkeypatch, tiles)
+    launches = _force(monkeypatch, tiles)
     got = delta_outputs_and_grads(delta_triton.chunk_delta_triton, inputs, scale=0.8, chunk_size=16)
-    assert launches.crossed == [], "\n".join(launches.crossed)
-    assert accesses.races == [], "\n".join(accesses.races)
+    launches.assert_clean()
     assert DELTA_KERNELS <= launches.launched
     assert_all_close(got, want)
 
 
 def test_the_fence_catches_a_stray_write(monkeypatch: pytest.MonkeyPatch) -> None:
     """A launch whose output is shorter than T rows writes into the fence, and is caught."""
-    launches, _ = _force(monkeypatch, {"BK": 64, "BV": 64})
+    launches = CheckedLaunches(monkeypatch)
     g, gc = torch.zeros(1, 1, 32, 64), torch.zeros(1, 1, 16, 64)
-    launches(gla_triton._chunk_cumsum_kernel, lambda t: (1, 2, 1), g, gc, 32, tiles={"BK": 64}, K=64, BT=16)
-    assert launches.crossed == ["_chunk_cumsum_kernel {'BK': 64}: 4096 bytes written outside a 4096-byte storage"]
+    gla_triton._chunk_cumsum_kernel[(1, 2, 1)](g, gc, 32, K=64, BT=16, BK=64)
+    assert launches.crossed == ["_chunk_cumsum_kernel: 4096 bytes written outside a 4096-byte storage"]
 
 
-def test_steps_and_feature_maps_have_no_races(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels outside the chunked forms: both decoding steps with GQA (each updates a state its query
-    group shares) and the fused feature maps, forward and backward."""
-    accesses = ProgramAccesses(monkeypatch)
+def test_steps_and_feature_maps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels outside the chunked forms, fenced and logged: both decoding steps with GQA (a query group
+    shares the state each updates) and the fused feature maps, forward and backward, against their references."""
     gla = {n: x.detach() for n, x in make_inputs(1, 4, 2, 2, 64, 64, decay=True, state=True).items()}
-    gla_triton.fused_recurrent_gla_triton(gla["q"], gla["k"], gla["v"], gla["g"], 0.7, gla["initial_state"].clone())
     delta = {n: x.detach() for n, x in delta_inputs(1, 4, 2, 2, 64, 64, decay="channel", state=True).items()}
-    delta_triton.fused_recurrent_delta_triton(
-        delta["q"], delta["k"], delta["v"], delta["beta"], delta["g"], 0.8, delta["initial_state"].clone()
-    )
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 40, 20, generator=gen).requires_grad_()
     weight = (torch.randn(3, 20, 24, generator=gen) * 0.3).requires_grad_()
     bias = torch.randn(3, 24, generator=gen).requires_grad_()
-    torch.autograd.grad(feature_maps_triton.hedgehog_triton(x, weight, bias).sum(), [x, weight, bias])
     logits = torch.randn(2, 3, 40, 37, generator=gen).requires_grad_()
     stabilizer = torch.randn(2, 3, 40, 1, generator=gen).requires_grad_()
-    torch.autograd.grad(feature_maps_triton.performer_triton(logits, stabilizer).sum(), [logits, stabilizer])
-    assert accesses.races == [], "\n".join(accesses.races)
-    assert len(accesses.launched) >= 5, accesses.launched
+
+    def run(step_gla, step_delta) -> list[torch.Tensor]:
+        state = gla["initial_state"].clone()
+        outputs = [step_gla(gla["q"], gla["k"], gla["v"], gla["g"], 0.7, state)[0], state]
+        outputs += step_delta(**dict(delta, initial_state=delta["initial_state"].clone()), scale=0.8)
+        outputs += torch.autograd.grad(feature_maps.hedgehog(x, weight, bias).pow(2).sum(), [x, weight, bias])
+        performer = feature_maps.performer(logits, stabilizer).pow(2).sum()
+        return outputs + list(torch.autograd.grad(performer, [logits, stabilizer]))
+
+    monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
+    want = run(gla_recurrent, delta_recurrent)
+    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
+    launches = CheckedLaunches(monkeypatch)
+    got = run(gla_triton.fused_recurrent_gla_triton, delta_triton.fused_recurrent_delta_triton)
+    assert_all_close(got, want)
+    launches.assert_clean()
+    assert launches.launched == {
+        "_fused_recurrent_kernel", "_fused_recurrent_delta_kernel", "_hedgehog_fwd_kernel", "_hedgehog_bwd_kernel",
+        "_performer_kernel",
+    }  # fmt: skip
 
 
 @triton.jit
@@ -252,6 +267,6 @@ def _neighbour_kernel(x, last):
 
 
 def test_the_log_catches_a_race(monkeypatch: pytest.MonkeyPatch) -> None:
-    accesses = ProgramAccesses(monkeypatch)
+    launches = CheckedLaunches(monkeypatch)
     _neighbour_kernel[(2,)](torch.zeros(2), torch.zeros(1, dtype=torch.int32))
-    assert accesses.races == ["_neighbour_kernel: 1 addresses written by several programs, 2 reads of another's writes"]
+    assert launches.races == ["_neighbour_kernel: 1 addresses written by several programs, 2 reads of another's writes"]
