@@ -95,13 +95,12 @@ class CheckedLaunches:
         def checked_run(executor, *args, **kwargs):
             name = executor.fn.__name__
             self.launched.add(name)
-            at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-            views, copies = _fenced([args[i] for i in at])
-            args = list(args)
-            for i, view in zip(at, views, strict=True):
-                args[i] = view
+            named = dict(enumerate(args)) | kwargs
+            tensors = [key for key, value in named.items() if isinstance(value, torch.Tensor)]
+            views, copies = _fenced([named[key] for key in tensors])
+            named |= dict(zip(tensors, views, strict=True))
             self._reads, self._writes = [], []
-            out = run(executor, *args, **kwargs)
+            out = run(executor, *(named[i] for i in range(len(args))), **{k: named[k] for k in kwargs})
             self._check_races(name)
             for original, copy in copies:
                 size = original.numel()
@@ -218,10 +217,10 @@ def test_chunked_delta_rule_at_every_tile(tiles: dict[str, int], decay: str, mon
 
 
 def test_the_fence_catches_a_stray_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A launch whose output is shorter than T rows writes into the fence, and is caught."""
+    """A launch whose output (passed by name) is shorter than T rows writes into the fence, and is caught."""
     launches = CheckedLaunches(monkeypatch)
     g, gc = torch.zeros(1, 1, 32, 64), torch.zeros(1, 1, 16, 64)
-    gla_triton._chunk_cumsum_kernel[(1, 2, 1)](g, gc, 32, K=64, BT=16, BK=64)
+    gla_triton._chunk_cumsum_kernel[(1, 2, 1)](g, gc=gc, T=32, K=64, BT=16, BK=64)
     assert launches.crossed == ["_chunk_cumsum_kernel: 4096 bytes written outside a 4096-byte storage"]
 
 
