@@ -95,12 +95,12 @@ class CheckedLaunches:
         def checked_run(executor, *args, **kwargs):
             name = executor.fn.__name__
             self.launched.add(name)
-            named = dict(enumerate(args)) | kwargs
-            tensors = [key for key, value in named.items() if isinstance(value, torch.Tensor)]
-            views, copies = _fenced([named[key] for key in tensors])
-            named |= dict(zip(tensors, views, strict=True))
+            views, copies = _fenced([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
+            fenced = iter(views)
+            args = [next(fenced) if isinstance(a, torch.Tensor) else a for a in args]
+            kwargs = {k: next(fenced) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             self._reads, self._writes = [], []
-            out = run(executor, *(named[i] for i in range(len(args))), **{k: named[k] for k in kwargs})
+            out = run(executor, *args, **kwargs)
             self._check_races(name)
             for original, copy in copies:
                 size = original.numel()
@@ -143,13 +143,12 @@ class CheckedLaunches:
 def _force(monkeypatch: pytest.MonkeyPatch, tiles: dict[str, int]) -> CheckedLaunches:
     """Every launch checked, and `tiles` forced onto every `_launch` (each kernel it launches is a tuned one, and the
     names in its `tiles` are the ones that kernel tunes), which launches RERUNS times as the autotuner's timing does."""
-    launch = gla_triton._launch
+    launch, chosen = gla_triton._launch, tiles
 
     def forced(kernel: Any, grid: Any, *args: Any, tiles: dict[str, int], **meta: Any) -> None:
         for _ in range(RERUNS):
             launch(kernel, grid, *args, tiles={tile: chosen[tile] for tile in tiles}, **meta)
 
-    chosen = tiles
     for module in (gla_triton, delta_triton):
         monkeypatch.setattr(module, "_launch", forced)
     return CheckedLaunches(monkeypatch)
