@@ -514,8 +514,9 @@ def fused_recurrent_delta_triton(
     h0 = None if initial_state is None else initial_state.contiguous()
     BK = _pow2(K)
     BV = min(_pow2(V), max(16, 8192 // BK))
-    _fused_recurrent_delta_kernel[(_cdiv(V, BV), B * H)](
-        q, k, v, beta, beta if g is None else g, ht if h0 is None else h0, o, ht, float(scale), T,
-        H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, **_decay_meta(g), HAS_H0=h0 is not None,
-    )  # fmt: skip
+    with _device_guard(q):
+        _fused_recurrent_delta_kernel[(_cdiv(V, BV), B * H)](
+            q, k, v, beta, beta if g is None else g, ht if h0 is None else h0, o, ht, float(scale), T,
+            H=H, G=HQ // H, K=K, V=V, BK=BK, BV=BV, **_decay_meta(g), HAS_H0=h0 is not None,
+        )  # fmt: skip
     return o, ht

@@ -33,7 +33,7 @@ try:  # in a try block, which transformers' remote-code import check skips: expo
 except ImportError:
     raise
 
-from .gla_triton import _block, _cdiv, _dot_config, _pow2, _tuned
+from .gla_triton import _block, _cdiv, _device_guard, _dot_config, _pow2, _tuned
 
 
 @triton.jit
@@ -141,10 +141,11 @@ def _hedgehog_launch(kernel, x: torch.Tensor, weight: torch.Tensor, *tensors: to
     F = weight.shape[-1]
     BF = _block(F, cap=HEDGEHOG_MAX_FEATURES)
     BT = min(32, _TILE // BF)
-    kernel[(_cdiv(T, BT), B * H)](
-        x, weight, *tensors, T, H=H, D=D, F=F, BT=BT, BD=_block(D), BF=BF,
-        **_dot_config(torch.promote_types(x.dtype, weight.dtype)),
-    )
+    with _device_guard(x):
+        kernel[(_cdiv(T, BT), B * H)](
+            x, weight, *tensors, T, H=H, D=D, F=F, BT=BT, BD=_block(D), BF=BF,
+            **_dot_config(torch.promote_types(x.dtype, weight.dtype)),
+        )
 
 
 class _Hedgehog(torch.autograd.Function):
@@ -200,10 +201,11 @@ class _Performer(torch.autograd.Function):
         out = torch.empty_like(logits)
         BM = _pow2(M)
         BR = min(64, PERFORMER_MAX_FEATURES // BM)
-        _performer_kernel[(_cdiv(R, BR),)](
-            logits, logits if stabilizer is None else stabilizer, out, R, 1.0 / math.sqrt(M),
-            M=M, BR=BR, BM=BM, HAS_STAB=stabilizer is not None,
-        )
+        with _device_guard(logits):
+            _performer_kernel[(_cdiv(R, BR),)](
+                logits, logits if stabilizer is None else stabilizer, out, R, 1.0 / math.sqrt(M),
+                M=M, BR=BR, BM=BM, HAS_STAB=stabilizer is not None,
+            )
         ctx.save_for_backward(out)
         ctx.stab_dtype = None if stabilizer is None else stabilizer.dtype
         return out

@@ -12,11 +12,16 @@ passes) run fenced too.
 Races: the interpreter runs a grid's programs one after another, a GPU runs them at once in no order.
 So no program may read or write an address that another program of the same launch writes; every
 load and store is logged with its program to check that.
+
+Devices: Triton launches on the current CUDA device, so every launch must run inside `_device_guard`
+of its inputs (a layer on cuda:1 while cuda:0 is current); a launch outside one is named too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,7 +38,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from linearize.kernels import delta_triton, feature_maps, gla_triton  # noqa: E402
+from linearize.kernels import delta_triton, feature_maps, feature_maps_triton, gla_triton  # noqa: E402
 from linearize.kernels.delta_torch import delta_recurrent  # noqa: E402
 from linearize.kernels.gla_torch import gla_parallel, gla_recurrent  # noqa: E402
 
@@ -64,13 +69,29 @@ def _fenced(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple
 
 class CheckedLaunches:
     """Wraps every interpreted launch: it runs on fenced copies of its tensors (`crossed` names each launch that
-    wrote into a fence), and each program's loads and stores are logged (`races` names each launch in which a
-    program reads or writes an address that another program of the launch writes: a GPU orders neither)."""
+    wrote into a fence), each program's loads and stores are logged (`races` names each launch in which a
+    program reads or writes an address that another program of the launch writes: a GPU orders neither), and
+    `unguarded` names each launch made outside the kernels' device guard."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.crossed: list[str] = []
         self.races: list[str] = []
+        self.unguarded: list[str] = []
         self.launched: set[str] = set()
+        self._guards = 0
+        guard = gla_triton._device_guard
+
+        @contextlib.contextmanager
+        def counted_guard(x: torch.Tensor) -> Iterator[None]:
+            with guard(x):
+                self._guards += 1
+                try:
+                    yield
+                finally:
+                    self._guards -= 1
+
+        for module in (gla_triton, delta_triton, feature_maps_triton):
+            monkeypatch.setattr(module, "_device_guard", counted_guard)
         self._reads: list[tuple[int, np.ndarray]] = []
         self._writes: list[tuple[int, np.ndarray]] = []
         builder = interpreter.interpreter_builder
@@ -95,6 +116,8 @@ class CheckedLaunches:
         def checked_run(executor, *args, **kwargs):
             name = executor.fn.__name__
             self.launched.add(name)
+            if not self._guards:
+                self.unguarded.append(name)
             views, copies = _fenced([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
             fenced = iter(views)
             args = [next(fenced) if isinstance(a, torch.Tensor) else a for a in args]
@@ -138,6 +161,7 @@ class CheckedLaunches:
     def assert_clean(self) -> None:
         assert self.crossed == [], "\n".join(self.crossed)
         assert self.races == [], "\n".join(self.races)
+        assert self.unguarded == [], f"launched outside the device guard: {sorted(set(self.unguarded))}"
 
 
 def _force(monkeypatch: pytest.MonkeyPatch, tiles: dict[str, int]) -> CheckedLaunches:
@@ -221,6 +245,7 @@ def test_the_fence_catches_a_stray_write(monkeypatch: pytest.MonkeyPatch) -> Non
     g, gc = torch.zeros(1, 1, 32, 64), torch.zeros(1, 1, 16, 64)
     gla_triton._chunk_cumsum_kernel[(1, 2, 1)](g, gc=gc, T=32, K=64, BT=16, BK=64)
     assert launches.crossed == ["_chunk_cumsum_kernel: 4096 bytes written outside a 4096-byte storage"]
+    assert launches.unguarded == ["_chunk_cumsum_kernel"], "a launch made directly, outside any device guard"
 
 
 def test_steps_and_feature_maps(monkeypatch: pytest.MonkeyPatch) -> None:
