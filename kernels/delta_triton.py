@@ -19,7 +19,7 @@ buffers, contiguity and dtype casts, and the log-decay gradient's in-chunk suffi
 Numerics as in `gla_triton`: decays summed within a chunk only, every exponential of a non-positive
 number (g <= 0) outside the shared score kernels, so no decay precondition. Precision: the UT
 transform (A, Ai, W, U) and its backward keep fp32 operands whatever the inputs (tf32 for half inputs,
-or where torch allows it; exact fp32 otherwise: `_kept_precision`); the products with the state
+or where torch allows it; fp32-accurate three-pass tf32 otherwise: `_kept_precision`); the products with the state
 (W S, k^T v', q^T do, W^T dv', dv' S^T) take `_dot_config`'s operands, bf16 for bf16 inputs. Every sum
 accumulates in fp32; W, U, v' and the states are stored in fp32.
 

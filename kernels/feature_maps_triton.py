@@ -33,7 +33,7 @@ try:  # in a try block, which transformers' remote-code import check skips: expo
 except ImportError:
     raise
 
-from .gla_triton import _block, _cdiv, _device_guard, _dot_config, _pow2, _tuned
+from .gla_triton import _block, _cdiv, _device_guard, _dot_config, _launch, _pow2, _tuned
 
 
 @triton.jit
@@ -142,9 +142,9 @@ def _hedgehog_launch(kernel, x: torch.Tensor, weight: torch.Tensor, *tensors: to
     BF = _block(F, cap=HEDGEHOG_MAX_FEATURES)
     BT = min(32, _TILE // BF)
     with _device_guard(x):
-        kernel[(_cdiv(T, BT), B * H)](
-            x, weight, *tensors, T, H=H, D=D, F=F, BT=BT, BD=_block(D), BF=BF,
-            **_dot_config(torch.promote_types(x.dtype, weight.dtype)),
+        _launch(
+            kernel, lambda _: (_cdiv(T, BT), B * H), x, weight, *tensors, T, tiles={}, H=H, D=D, F=F, BT=BT,
+            BD=_block(D), BF=BF, **_dot_config(torch.promote_types(x.dtype, weight.dtype)),
         )
 
 

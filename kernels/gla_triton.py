@@ -12,8 +12,8 @@ exponential the kernels take is of a non-positive number, so nothing overflows w
 Unlike the PyTorch chunked form this needs no MIN_LOG_DECAY precondition.
 
 Precision: matmul operands are bf16 when the inputs are bf16 (tensor cores, fp32 accumulation), fp32
-otherwise: tf32 for fp16 inputs or when torch.set_float32_matmul_precision allows it, exact fp32
-else. Three dots keep fp32 operands whatever the inputs, as fla does, because dg cancels heavily
+otherwise: tf32 for fp16 inputs or when torch.set_float32_matmul_precision allows it, three-pass tf32
+(fp32-accurate, `EXACT_FP32`) else. Three dots keep fp32 operands whatever the inputs, as fla does, because dg cancels heavily
 in their sums: the in-chunk scores across sub-chunks, the in-chunk dq/dk, and A^T do in dv.
 
 One decay per head (g [B, H, T, 1]: RetNet, the key gate, Performer's stabilizer) is read once per
@@ -795,13 +795,40 @@ BLOCK_WARPS = 2  # warps per program of the kernels on 16-row blocks (in-chunk s
 # H200 2 beat 4 and 1 at T = 16K (README, "GPU check")
 
 
+_stages: dict[tuple, int] = {}  # pipeline depth per kernel and constants where a GPU refused Triton's default (3)
+
+
 def _launch(kernel, grid, *args, tiles: dict[str, int], warps: int | None = None, **meta) -> None:
     """Launch over `grid(tiles)` with fixed tiles and `warps` (Triton's default if None), or the autotuner's choice
-    for a kernel `_tuned` wrapped in one."""
+    for a kernel `_tuned` wrapped in one (the autotuner itself skips configs a GPU cannot hold).
+
+    Fixed tiles pipeline Triton's default 3 stages deep. Where a GPU lacks the shared memory that takes (fp32
+    tiles on the 99 KB per block of sm_86 / sm_89 / sm_120: A10, L4, RTX 30-50; the delta rule's whole-K state
+    scans at K = 256 on any GPU), Triton refuses the launch and it runs again 2, then 1 stage deep; the depth
+    that fit is kept for that kernel and its constants. `python -m linearize.kernels.compile_check` compiles
+    every launch for these GPUs on a machine without one.
+    """
     if isinstance(kernel, triton.runtime.Autotuner):
         kernel[grid](*args, **meta)
-    else:
-        kernel[grid(tiles)](*args, **tiles, **meta, **({} if warps is None else {"num_warps": warps}))
+        return
+    options = {**tiles, **meta, **({} if warps is None else {"num_warps": warps})}
+    key = (kernel, *sorted(options.items())) if _stages else None  # built only once some launch was refused
+    while True:
+        depth = _stages.get(key) if key else None
+        try:
+            kernel[grid(tiles)](*args, **options, **({} if depth is None else {"num_stages": depth}))
+            return
+        except triton.runtime.errors.OutOfResources as err:
+            if err.name != "shared memory":
+                raise
+            if depth == 1:
+                raise RuntimeError(
+                    f"{kernel.__name__} ({', '.join(f'{k}={v}' for k, v in sorted(meta.items()) if k in ('K', 'V', 'BT'))}) "
+                    f"needs {err.required} bytes of shared memory even 1 stage deep, more than this GPU's {err.limit}: "
+                    "use narrower heads, bf16 inputs, or LINEARIZE_KERNELS=torch"
+                ) from err
+            key = key or (kernel, *sorted(options.items()))
+            _stages[key] = 2 if depth is None else 1
 
 
 def _device_guard(x: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -814,6 +841,12 @@ def _chunk_len(chunk_size: int) -> int:
     return min(64, max(SUB_CHUNK, 1 << (max(chunk_size, 1).bit_length() - 1)))
 
 
+# fp32 dots where torch allows no tf32: three tf32 products on tensor cores (hi*hi + hi*lo + lo*hi), accurate to
+# about fp32's rounding. "ieee" (FMA dots) compiled to 32 registers and 6-12 KB of spills per thread (ptxas 12.9
+# and 13.4, sm_80 to sm_90), against at most 0.5 KB with this (`compile_check`).
+EXACT_FP32 = "tf32x3"
+
+
 def _dot_config(dtype: torch.dtype) -> dict:
     """Matmul operand type and precision for these inputs (see the module docstring).
 
@@ -822,15 +855,15 @@ def _dot_config(dtype: torch.dtype) -> dict:
     if dtype == torch.bfloat16 and not _interpreting():
         return {"DT": tl.bfloat16, "PREC": "tf32"}
     tf32 = dtype == torch.float16 or torch.get_float32_matmul_precision() != "highest"
-    return {"DT": tl.float32, "PREC": "tf32" if tf32 else "ieee"}
+    return {"DT": tl.float32, "PREC": "tf32" if tf32 else EXACT_FP32}
 
 
 def _kept_precision(dtype: torch.dtype) -> str:
     """Precision of the dots kept in fp32 whatever the inputs (in-chunk scores across sub-chunks, in-chunk
-    dq/dk, A^T do): tf32 for half inputs, and for fp32 inputs where torch allows it; exact fp32 otherwise.
+    dq/dk, A^T do): tf32 for half inputs, and for fp32 inputs where torch allows it; EXACT_FP32 otherwise.
     These sums cancel heavily in dg, so fla keeps them out of bf16 too."""
     half = dtype in (torch.bfloat16, torch.float16)
-    return "tf32" if half or torch.get_float32_matmul_precision() != "highest" else "ieee"
+    return "tf32" if half or torch.get_float32_matmul_precision() != "highest" else EXACT_FP32
 
 
 def _decay_meta(g: torch.Tensor | None) -> dict:

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 NO_CUDA = "no CUDA device: run on a CUDA machine, or pass --quick"
 CHECK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# A correctness check passes below these relative errors: fp32 kernels are exact-fp32 matmuls; bf16
+# A correctness check passes below these relative errors: fp32 kernels run fp32-accurate matmuls (tf32x3); bf16
 # ones round their matmul operands and outputs to bf16 (a wrong kernel is off by O(1) either way).
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 PARALLEL_MAX_T = 256  # the fp64 reference is the quadratic form up to here, the chunked form beyond

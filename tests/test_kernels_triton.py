@@ -237,15 +237,15 @@ def test_bf16_state_storage() -> None:
 
 def test_precision_kept_where_fla_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The in-chunk cross-sub-chunk scores, in-chunk dq/dk and A^T do run on fp32 operands: tf32 for half inputs,
-    and for fp32 inputs only where torch allows tf32."""
+    and for fp32 inputs only where torch allows tf32; else fp32-accurate three-pass tf32 (`EXACT_FP32`)."""
     for kernel in (gla_triton._intra_scores_kernel, gla_triton._bwd_intra_kernel, gla_triton._bwd_dv_kernel):
         assert "PREC32" in kernel.arg_names
     assert gla_triton._kept_precision(torch.bfloat16) == "tf32"
     previous = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert gla_triton._kept_precision(torch.float32) == "ieee"
-        assert gla_triton._dot_config(torch.float32)["PREC"] == "ieee"
+        assert gla_triton._kept_precision(torch.float32) == "tf32x3"
+        assert gla_triton._dot_config(torch.float32)["PREC"] == "tf32x3"
         torch.set_float32_matmul_precision("high")
         assert gla_triton._kept_precision(torch.float32) == "tf32"
         assert gla_triton._dot_config(torch.float32)["PREC"] == "tf32"

@@ -1,0 +1,88 @@
+"""`python -m linearize.kernels.compile_check`: every kernel launch compiled for real GPUs, here without one.
+
+The two `--quick` targets compile at once (two processes, one per target): sm_86, whose 99 KB of shared
+memory per block refuses some fp32 tiles at Triton's default 3 pipeline stages, so the library's retry at
+fewer stages (`gla_triton._launch`) must carry every case; and sm_90 (H100 / H200), the GPU the speed
+goals are set on. Where even 1 stage cannot fit (the delta rule's whole-K state scan at K = 256 in fp32
+on sm_86), the case fails with the library's one-line error naming the fixes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECK = [sys.executable, "-m", "linearize.kernels.compile_check"]
+
+
+def _start(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Compiling needs the real kernels: without TRITON_INTERPRET (which the suite sets for the kernel tests)."""
+    env = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=600)
+    return proc.returncode, out
+
+
+def test_every_launch_compiles_and_fits_the_quick_targets(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    procs = {
+        target: _start([*CHECK, "--quick", "--targets", target, "--out", str(tmp_path / target)], tmp_path, cli_env)
+        for target in ("sm_86", "sm_90")
+    }
+    reports = {}
+    for target, proc in procs.items():
+        code, out = _finish(proc)
+        assert code == 0, out[-4000:]
+        assert "PASSED" in out
+        reports[target] = json.loads((tmp_path / target / "compile_check.json").read_text())
+    for target, report in reports.items():
+        assert report["passed"] and not report["failures"]
+        (row,) = report["targets"]
+        assert row["target"] == target and row["cases_passed"] == row["cases"] == 23
+        kernels = report["kernels"]
+        assert {c["target"] for c in kernels} == {target}
+        names = {c["kernel"] for c in kernels}
+        for family in ("_fwd_state_kernel", "_bwd_inter_kernel", "_fused_recurrent_kernel", "_ut_bwd_kernel",
+                       "_fused_recurrent_delta_kernel", "_hedgehog_bwd_kernel", "_performer_kernel"):  # fmt: skip
+            assert family in names
+        assert {c["constants"]["DT"] for c in kernels if c["kernel"] == "_fwd_output_kernel"} == {"fp32", "bf16"}
+        assert all(c["registers"] > 0 and c["shared"] >= 0 for c in kernels)
+        assert max(c["shared"] for c in kernels if c["fits"]) <= row["shared_limit"]
+
+    sm86, sm90 = (reports[t]["kernels"] for t in ("sm_86", "sm_90"))
+    refused = {(c["kernel"], c["case"]) for c in sm86 if not c["fits"]}
+    assert refused, "fp32 tiles at 3 stages exceed 99 KB: sm_86 must refuse some"
+    assert all(c["stages"] == 3 and c["shared"] > 101376 for c in sm86 if not c["fits"])
+    retried = {(c["kernel"], c["case"]) for c in sm86 if c["fits"] and c["stages"] < 3}
+    assert refused <= retried, "each refused launch ran again fewer stages deep, and fit"
+    assert all(c["fits"] for c in sm90), "H100 / H200 hold every launch at Triton's default stages"
+
+
+def test_a_launch_no_depth_fits_fails_with_the_fixes(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    only = "delta-chunk fp32 K=256 V=64 decay=head"
+    code, out = _finish(_start([*CHECK, "--targets", "sm_86", "--only", only, "--out", str(tmp_path)], tmp_path, cli_env))
+    assert code == 1, out[-4000:]
+    report = json.loads((tmp_path / "compile_check.json").read_text())
+    (failure,) = report["failures"]
+    assert failure["case"] == only
+    assert failure["error"].startswith("RuntimeError: _delta_state_kernel (BT=64, K=256, V=64) needs ")
+    assert "shared memory even 1 stage deep, more than this GPU's 101376" in failure["error"]
+    assert "LINEARIZE_KERNELS=torch" in failure["error"]
+    depths = sorted(c["stages"] for c in report["kernels"] if c["kernel"] == "_delta_state_kernel")
+    assert depths == [1, 2, 3] and not any(c["fits"] for c in report["kernels"] if c["kernel"] == "_delta_state_kernel")
+
+
+def test_bad_arguments_are_refused_in_one_line(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    code, out = _finish(_start([*CHECK, "--only", "no-such-kernel", "--out", str(tmp_path)], tmp_path, cli_env))
+    assert code == 2 and "no case name contains 'no-such-kernel'" in out
+    interpreted = dict(cli_env, TRITON_INTERPRET="1")
+    proc = subprocess.run([*CHECK, "--quick"], cwd=tmp_path, env=interpreted, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "TRITON_INTERPRET is set" in proc.stderr
