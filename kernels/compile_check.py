@@ -318,7 +318,8 @@ def summary(compiled: list[Compiled], results: list[CaseResult], targets: tuple[
             "cases_passed": sum(r.passed for r in results if r.target == name),
             "cases": sum(r.target == name for r in results),
             "max_shared_launched": max((c.shared for c in launched), default=0),
-            "refused": sorted({f"{c.kernel} ({c.shared} B, {c.stages} stages)" for c in mine if not c.fits}),
+            "refused": sorted({c.kernel for c in mine if not c.fits}),  # at some depth, for some case
+            "launched_shallower": sum(c.stages < 3 for c in launched),
             "max_registers": max((c.registers for c in mine), default=0),
             "spilling": sorted({c.kernel for c in launched if c.spilled}),
             "max_spilled": max((c.spilled for c in launched), default=0),
@@ -380,15 +381,14 @@ def _print(rows: list[dict[str, Any]], report: dict[str, Any], path: Path) -> No
 
     console = Console(width=max(Console().width, 140))
     table = Table(title=f"Triton kernels compiled per GPU (triton {report['triton']}, {report['seconds']:.0f} s)")
-    for column in ("target", "GPUs", "kernels", "cases passed", "max shared launched / limit (KB)", "max regs",
-                   "refused (retried)", "spilling kernels (max B/thread)"):  # fmt: skip
+    for column in ("target", "GPUs", "kernels", "cases passed", "widest launched / limit (KB)", "kernels refused",
+                   "launched shallower", "max regs", "spilling kernels", "max spill (B/thread)"):  # fmt: skip
         table.add_column(column)
     for row in rows:
         table.add_row(
             row["target"], row["gpus"], str(row["kernels"]), f"{row['cases_passed']}/{row['cases']}",
-            f"{row['max_shared_launched'] / 1024:.1f} / {row['shared_limit'] / 1024:.0f}", str(row["max_registers"]),
-            "\n".join(row["refused"]) or "-",
-            (", ".join(row["spilling"]) + f" ({row['max_spilled']})") if row["spilling"] else "-",
+            f"{row['max_shared_launched'] / 1024:.1f} / {row['shared_limit'] / 1024:.0f}", str(len(row["refused"])),
+            str(row["launched_shallower"]), str(row["max_registers"]), str(len(row["spilling"])), str(row["max_spilled"]),
         )  # fmt: skip
     console.print(table)
     for failure in report["failures"]:
