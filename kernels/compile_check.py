@@ -12,7 +12,8 @@ when it loads a kernel; over it, the stand-in refuses the launch as Triton would
 answer (`gla_triton._launch` retries at fewer pipeline stages) runs here too. A launch fails the check
 when it does not compile or when nothing the library tries fits. Registers and spilled bytes (ptxas's
 stack and local memory, read from each cubin with the cuobjdump Triton ships) are reported: spills cost
-speed, not correctness. `--quick` is the CI subset (K = V = 64, sm_86 and sm_90, about a minute).
+speed, not correctness. `--quick` is the CI subset (K = V = 64, sm_86 and sm_90: about a minute each with
+an empty Triton cache, seconds with a warm one).
 
     python -m linearize.kernels.compile_check [--quick] [--targets sm_80 ...] [--only TEXT] [--out DIR]
 """
