@@ -341,6 +341,17 @@ def compile_times(rows: list[CheckRow]) -> dict[str, dict[str, float | bool]]:
     return out
 
 
+def shallower_launches() -> dict[str, int]:
+    """Kernel -> the fewest pipeline stages it ran at where this GPU refused Triton's default for its shared
+    memory (`gla_triton._launch`): those launches may run slower than the default's timings suggest."""
+    from . import gla_triton
+
+    out: dict[str, int] = {}
+    for (kernel, *_), depth in gla_triton._stages.items():
+        out[kernel.__name__] = min(depth, out.get(kernel.__name__, depth))
+    return dict(sorted(out.items()))
+
+
 def worst_errors(rows: list[CheckRow]) -> dict[str, dict[str, dict[str, float]]]:
     """kernel -> dtype -> tensor -> the largest relative error over the shapes (NaN counts as the largest)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
@@ -699,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             "failures": failures,
             "skipped_checks": skipped_checks,
             "compile": compile_times(checks),
+            "shallower_launches": shallower_launches(),
             "worst_errors": worst_errors(checks),
             "correctness": [asdict(r) for r in checks],
             "prefill": [asdict(r) for r in prefill],

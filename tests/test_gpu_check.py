@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("triton")
 
 SECTIONS = {
-    "setup", "passed", "failures", "compile", "correctness", "prefill", "decode", "conversion", "goals", "seconds", "files",
+    "setup", "passed", "failures", "compile", "shallower_launches", "correctness", "prefill", "decode", "conversion",
+    "goals", "seconds", "files",
 }  # fmt: skip
 CHUNK_TENSORS = {"o", "ht", "dq", "dk", "dv", "dg", "dh0"}
 DELTA_TENSORS = CHUNK_TENSORS | {"dbeta"}
@@ -43,6 +44,7 @@ def test_quick_check_passes_and_writes_its_report(tmp_path: Path, cli_env: dict[
     assert SECTIONS <= set(report)
     assert report["passed"] and not report["failures"]
     assert report["setup"]["mode"] == "quick"
+    assert report["shallower_launches"] == {}, "the interpreter refuses no launch for its shared memory"
 
     checks = report["correctness"]
     kernels = ("chunk", "chunk/normalizer", "recurrent", "recurrent/normalizer", "delta-chunk")
@@ -100,3 +102,12 @@ def test_skipping_delta_leaves_out_the_delta_rule_checks_only(tmp_path: Path, cl
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     kernels = {c["kernel"] for c in json.loads((out / "gpu_check.json").read_text())["correctness"]}
     assert kernels == {"chunk", "chunk/normalizer", "recurrent", "recurrent/normalizer"}
+
+
+def test_shallower_launches_name_each_kernel_at_its_fewest_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    from linearize.kernels import gla_triton, gpu_check
+
+    state, dv = gla_triton._fwd_state_kernel, gla_triton._bwd_dv_kernel
+    refused = {(state, ("K", 64)): 2, (state, ("K", 256)): 1, (dv, ("V", 128)): 2}
+    monkeypatch.setattr(gla_triton, "_stages", refused)
+    assert gpu_check.shallower_launches() == {"_bwd_dv_kernel": 2, "_fwd_state_kernel": 1}
