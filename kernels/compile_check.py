@@ -277,7 +277,7 @@ class _Recorder:
 def check(targets: tuple[str, ...], plan: Plan, only: str | None = None) -> tuple[list[Compiled], list[CaseResult]]:
     """Every case (whose name contains `only`, if given) compiled for every target: the kernels compiled (once
     each) and each case's verdict."""
-    from . import gla_triton
+    from . import delta_triton, gla_triton
 
     all_cases = [(case, run) for case, run in cases(plan) if only is None or only in case]
     if not all_cases:
@@ -289,7 +289,8 @@ def check(targets: tuple[str, ...], plan: Plan, only: str | None = None) -> tupl
     results: list[CaseResult] = []
     for name in targets:
         recorder = _Recorder(name)
-        gla_triton._stages.clear()  # what an earlier target refused: each target starts as a fresh process would
+        gla_triton._fallbacks.clear()  # what an earlier target refused: each target starts as a fresh process would
+        delta_triton._chunk_lens.clear()
         with compiling_for(name, recorder):
             for case, run in tqdm(all_cases, desc=f"compiling for {name}", disable=bool(os.environ.get("LINEARIZE_NO_PROGRESS"))):
                 recorder.case = case

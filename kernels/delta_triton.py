@@ -12,9 +12,11 @@ and gradient kernels (their sub-chunk reference points keep every exponent in ra
 channel). Its own kernels are the UT transform (`_ut_fwd_kernel`, Ai by forward substitution, row by
 row), the scans over chunks that need v' (forward) and dv' (backward) inside the recurrence
 (`_delta_state_kernel`, `_delta_dstate_kernel`, one value block of the whole [K, V] state per program:
-v' = U - W S reads all of K), and the way back through the UT transform (`_ut_bwd_kernel`: dv, dbeta,
-the gradient of the decayed products for GLA's score-gradient kernel, and b e^gc dX). Torch glue:
-buffers, contiguity and dtype casts, and the log-decay gradient's in-chunk suffix sum.
+v' = U - W S reads all of K; where a GPU's shared memory holds a scan at no pipeline depth its value block
+narrows, then the pass's chunk length halves: `_fitting_chunks`), and the way back through the UT
+transform (`_ut_bwd_kernel`: dv, dbeta, the gradient of the decayed products for GLA's score-gradient
+kernel, and b e^gc dX). Torch glue: buffers, contiguity and dtype casts, and the log-decay gradient's
+in-chunk suffix sum.
 
 Numerics as in `gla_triton`: decays summed within a chunk only, every exponential of a non-positive
 number (g <= 0) outside the shared score kernels, so no decay precondition. Precision: the UT
@@ -29,6 +31,9 @@ rule's read-back k^T S of a value column needs only that column, so value blocks
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 try:  # in a try block, which transformers' remote-code import check skips: exports load without triton
@@ -36,6 +41,8 @@ try:  # in a try block, which transformers' remote-code import check skips: expo
     import triton.language as tl
 
     from .gla_triton import (
+        SUB_CHUNK,
+        SharedMemoryError,
         _block,
         _cdiv,
         _chunk_len,
@@ -56,6 +63,7 @@ try:  # in a try block, which transformers' remote-code import check skips: expo
 except ImportError:
     raise
 
+R = TypeVar("R")
 STATE_TILE = 16384  # the most [K, BV] state elements one scan program holds (K=256: BV <= 64)
 
 
@@ -323,7 +331,7 @@ def _states(
     _launch(
         _delta_state, lambda t: (_cdiv(V, t["BV"]), B * H),
         k, W, U, k if gc is None else gc, k if h0 is None else h0, hbuf, ht, vp, T, N, NH,
-        NH * K * V if keep_final else K * V, tiles={"BV": _block(V)},
+        NH * K * V if keep_final else K * V, tiles={"BV": _block(V)}, narrow=True,
         K=K, V=V, BT=BT, BK=_full_k(K), **_decay_meta(gc), HAS_H0=h0 is not None, **_dot_config(k.dtype),
     )
     return hbuf, ht, vp
@@ -367,7 +375,7 @@ def _backward(
     _launch(
         _delta_dstate, lambda t: (_cdiv(V, t["BV"]), B * H),
         q, k, W, gp, do, dvl, k if dht is None else dht, dhbuf if dh0 is None else dh0, dhbuf, dvp, scale, T, N,
-        tiles={"BV": _block(V)}, K=K, V=V, BK=_full_k(K), **_decay_meta(gc),
+        tiles={"BV": _block(V)}, narrow=True, K=K, V=V, BK=_full_k(K), **_decay_meta(gc),
         HAS_DHT=dht is not None, HAS_DH0=dh0 is not None, **cfg,
     )
     dq, dk_scores, dg_scores = _score_and_state_grads(
@@ -393,15 +401,42 @@ def _backward(
     return dq, dk, dv, dbeta, dg, dh0
 
 
+_chunk_lens: dict[tuple, int] = {}  # (K, V, dtype) -> the chunk length a GPU's shared memory forced below the asked
+
+
+def _fitting_chunks(run: Callable[[int], R], BT: int, key: tuple) -> R:
+    """run(BT), again at half the chunk length (down to SUB_CHUNK) while no launch fits the GPU's shared memory.
+    The chunk length trades speed only. At K = 256 in fp32 the reverse state scan needs 128 KB at BT = 64 whatever
+    its depth or value tile (`compile_check`), more than the 99 KB per block of sm_86 / sm_89 / sm_120."""
+    BT = min(BT, _chunk_lens.get(key, BT))
+    while True:
+        try:
+            return run(BT)
+        except SharedMemoryError:
+            if BT <= SUB_CHUNK:
+                raise
+            BT //= 2
+            _chunk_lens[key] = BT
+
+
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None, scale: float,
+    h0: torch.Tensor | None, BT: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gc = None if g is None else _local_cumsum(g, BT)
+    _, _, W, U = _ut_transform(k, v, beta, gc, BT)
+    hbuf, ht, vp = _states(k, W, U, gc, h0, BT, keep_final=False)
+    return _output(q, vp, gc, hbuf, None, _scores(q, k, gc, scale, BT), scale, BT), ht
+
+
 class _ChunkDelta(torch.autograd.Function):
-    """The chunked gated delta rule with Triton forward and backward; saves only the inputs."""
+    """The chunked gated delta rule with Triton forward and backward; saves only the inputs. Each pass recomputes
+    what it needs from them, so each may take its own chunk length (`_fitting_chunks`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, scale, initial_state, BT):
-        gc = None if g is None else _local_cumsum(g, BT)
-        _, _, W, U = _ut_transform(k, v, beta, gc, BT)
-        hbuf, ht, vp = _states(k, W, U, gc, initial_state, BT, keep_final=False)
-        o = _output(q, vp, gc, hbuf, None, _scores(q, k, gc, scale, BT), scale, BT)
+        ctx.key = (k.shape[-1], v.shape[-1], q.dtype)
+        o, ht = _fitting_chunks(lambda bt: _forward(q, k, v, beta, g, scale, initial_state, bt), BT, ctx.key)
         ctx.save_for_backward(q, k, v, beta, g, initial_state)
         ctx.scale, ctx.BT = scale, BT
         return o, ht
@@ -409,10 +444,10 @@ class _ChunkDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, beta, g, initial_state = ctx.saved_tensors
+        do, dht = do.contiguous(), None if dht is None else dht.contiguous()
         with _device_guard(q):
-            dq, dk, dv, dbeta, dg, dh0 = _backward(
-                q, k, v, beta, g, initial_state, do.contiguous(), None if dht is None else dht.contiguous(),
-                ctx.scale, ctx.BT,
+            dq, dk, dv, dbeta, dg, dh0 = _fitting_chunks(
+                lambda bt: _backward(q, k, v, beta, g, initial_state, do, dht, ctx.scale, bt), ctx.BT, ctx.key
             )
         dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
         return dq, dk, dv, dbeta, dg, None, dh0, None

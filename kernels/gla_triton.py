@@ -795,40 +795,51 @@ BLOCK_WARPS = 2  # warps per program of the kernels on 16-row blocks (in-chunk s
 # H200 2 beat 4 and 1 at T = 16K (README, "GPU check")
 
 
-_stages: dict[tuple, int] = {}  # pipeline depth per kernel and constants where a GPU refused Triton's default (3)
+class SharedMemoryError(RuntimeError):
+    """No pipeline depth (or value tile, where a launch may narrow it) fits the GPU's shared memory per block."""
 
 
-def _launch(kernel, grid, *args, tiles: dict[str, int], warps: int | None = None, **meta) -> None:
+_fallbacks: dict[tuple, tuple[int, dict[str, int]]] = {}  # per kernel and constants where a GPU refused the
+# default launch for its shared memory: the pipeline depth and tiles that fit
+
+
+def _launch(kernel, grid, *args, tiles: dict[str, int], warps: int | None = None, narrow: bool = False, **meta) -> None:
     """Launch over `grid(tiles)` with fixed tiles and `warps` (Triton's default if None), or the autotuner's choice
     for a kernel `_tuned` wrapped in one (the autotuner itself skips configs a GPU cannot hold).
 
     Fixed tiles pipeline Triton's default 3 stages deep. Where a GPU lacks the shared memory that takes (fp32
-    tiles on the 99 KB per block of sm_86 / sm_89 / sm_120: A10, L4, RTX 30-50; the delta rule's whole-K state
-    scans at K = 256 on any GPU), Triton refuses the launch and it runs again 2, then 1 stage deep; the depth
-    that fit is kept for that kernel and its constants. `python -m linearize.kernels.compile_check` compiles
-    every launch for these GPUs on a machine without one.
+    tiles on the 99 KB per block of sm_86 / sm_89 / sm_120: A10, L4, RTX 30-50), Triton refuses the launch and it
+    runs again 2, then 1 stage deep. With `narrow` (a kernel whose value blocks are independent programs and
+    whose buffers do not depend on BV: the delta rule's whole-K state scans, 128 KB of fp32 operands at K = 256),
+    the value tile then halves, down to 16, each width tried from 3 stages again. What fit is kept for that
+    kernel and its constants. `python -m linearize.kernels.compile_check` compiles every launch for these GPUs on
+    a machine without one.
     """
     if isinstance(kernel, triton.runtime.Autotuner):
         kernel[grid](*args, **meta)
         return
-    options = {**tiles, **meta, **({} if warps is None else {"num_warps": warps})}
-    key = (kernel, *sorted(options.items())) if _stages else None  # built only once some launch was refused
+    options = {**meta, **({} if warps is None else {"num_warps": warps})}
+    key = (kernel, *sorted({**tiles, **options}.items())) if _fallbacks else None  # built once a launch was refused
+    depth, fit = _fallbacks.get(key, (None, tiles)) if key else (None, tiles)
     while True:
-        depth = _stages.get(key) if key else None
         try:
-            kernel[grid(tiles)](*args, **options, **({} if depth is None else {"num_stages": depth}))
+            kernel[grid(fit)](*args, **fit, **options, **({} if depth is None else {"num_stages": depth}))
             return
         except triton.runtime.errors.OutOfResources as err:
             if err.name != "shared memory":
                 raise
-            if depth == 1:
-                raise RuntimeError(
-                    f"{kernel.__name__} ({', '.join(f'{k}={v}' for k, v in sorted(meta.items()) if k in ('K', 'V', 'BT'))}) "
-                    f"needs {err.required} bytes of shared memory even 1 stage deep, more than this GPU's {err.limit}: "
-                    "use narrower heads, bf16 inputs, or LINEARIZE_KERNELS=torch"
+            if depth != 1:
+                depth = 2 if depth is None else 1
+            elif narrow and fit["BV"] > 16:
+                depth, fit = None, {**fit, "BV": fit["BV"] // 2}
+            else:
+                named = ", ".join(f"{k}={v}" for k, v in sorted({**meta, **fit}.items()) if k in ("K", "V", "BT", "BV"))
+                raise SharedMemoryError(
+                    f"{kernel.__name__} ({named}) needs {err.required} bytes of shared memory even 1 stage deep, "
+                    f"more than this GPU's {err.limit}: use narrower heads, bf16 inputs, or LINEARIZE_KERNELS=torch"
                 ) from err
-            key = key or (kernel, *sorted(options.items()))
-            _stages[key] = 2 if depth is None else 1
+            key = key or (kernel, *sorted({**tiles, **options}.items()))
+            _fallbacks[key] = (depth, fit)
 
 
 def _device_guard(x: torch.Tensor) -> contextlib.AbstractContextManager:

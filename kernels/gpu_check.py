@@ -341,14 +341,21 @@ def compile_times(rows: list[CheckRow]) -> dict[str, dict[str, float | bool]]:
     return out
 
 
-def shallower_launches() -> dict[str, int]:
-    """Kernel -> the fewest pipeline stages it ran at where this GPU refused Triton's default for its shared
-    memory (`gla_triton._launch`): those launches may run slower than the default's timings suggest."""
-    from . import gla_triton
+def fallback_launches() -> dict[str, dict[str, int]]:
+    """What this GPU's shared memory forced below the default launches (`gla_triton._launch`,
+    `delta_triton._fitting_chunks`): per kernel the fewest pipeline stages and, where narrowed, the narrowest
+    value tile it ran at; per delta-rule shape the chunk length. Those launches may run slower than the
+    default's timings suggest."""
+    from . import delta_triton, gla_triton
 
-    out: dict[str, int] = {}
-    for (kernel, *_), depth in gla_triton._stages.items():
-        out[kernel.__name__] = min(depth, out.get(kernel.__name__, depth))
+    out: dict[str, dict[str, int]] = {}
+    for (kernel, *default), (depth, fit) in gla_triton._fallbacks.items():
+        seen = out.setdefault(kernel.__name__, {"stages": depth or 3})
+        seen["stages"] = min(seen["stages"], depth or 3)
+        if fit.get("BV", 0) < dict(default).get("BV", 0):
+            seen["BV"] = min(fit["BV"], seen.get("BV", fit["BV"]))
+    for (K, V, dtype), BT in delta_triton._chunk_lens.items():
+        out[f"chunk_delta_triton K={K} V={V} {str(dtype).removeprefix('torch.')}"] = {"BT": BT}
     return dict(sorted(out.items()))
 
 
@@ -710,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
             "failures": failures,
             "skipped_checks": skipped_checks,
             "compile": compile_times(checks),
-            "shallower_launches": shallower_launches(),
+            "fallback_launches": fallback_launches(),
             "worst_errors": worst_errors(checks),
             "correctness": [asdict(r) for r in checks],
             "prefill": [asdict(r) for r in prefill],

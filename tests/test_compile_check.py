@@ -3,8 +3,9 @@
 The two `--quick` targets compile at once (two processes, one per target): sm_86, whose 99 KB of shared
 memory per block refuses some fp32 tiles at Triton's default 3 pipeline stages, so the library's retry at
 fewer stages (`gla_triton._launch`) must carry every case; and sm_90 (H100 / H200), the GPU the speed
-goals are set on. Where even 1 stage cannot fit (the delta rule's whole-K state scan at K = 256 in fp32
-on sm_86), the case fails with the library's one-line error naming the fixes.
+goals are set on. The narrower fallbacks (value tiles, the delta rule's chunk length) that the fp32 K = 256
+cases need on sm_86 take minutes to compile; `test_kernels_triton.py` and `test_kernels_delta_triton.py` test
+them with stand-ins, and the README reports the full run.
 """
 
 from __future__ import annotations
@@ -64,20 +65,6 @@ def test_every_launch_compiles_and_fits_the_quick_targets(tmp_path: Path, cli_en
     retried = {(c["kernel"], c["case"]) for c in sm86 if c["fits"] and c["stages"] < 3}
     assert refused <= retried, "each refused launch ran again fewer stages deep, and fit"
     assert all(c["fits"] for c in sm90), "H100 / H200 hold every launch at Triton's default stages"
-
-
-def test_a_launch_no_depth_fits_fails_with_the_fixes(tmp_path: Path, cli_env: dict[str, str]) -> None:
-    only = "delta-chunk fp32 K=256 V=64 decay=head"
-    code, out = _finish(_start([*CHECK, "--targets", "sm_86", "--only", only, "--out", str(tmp_path)], tmp_path, cli_env))
-    assert code == 1, out[-4000:]
-    report = json.loads((tmp_path / "compile_check.json").read_text())
-    (failure,) = report["failures"]
-    assert failure["case"] == only
-    assert failure["error"].startswith("RuntimeError: _delta_state_kernel (BT=64, K=256, V=64) needs ")
-    assert "shared memory even 1 stage deep, more than this GPU's 101376" in failure["error"]
-    assert "LINEARIZE_KERNELS=torch" in failure["error"]
-    depths = sorted(c["stages"] for c in report["kernels"] if c["kernel"] == "_delta_state_kernel")
-    assert depths == [1, 2, 3] and not any(c["fits"] for c in report["kernels"] if c["kernel"] == "_delta_state_kernel")
 
 
 def test_bad_arguments_are_refused_in_one_line(tmp_path: Path, cli_env: dict[str, str]) -> None:

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 SECTIONS = {
-    "setup", "passed", "failures", "compile", "shallower_launches", "correctness", "prefill", "decode", "conversion",
+    "setup", "passed", "failures", "compile", "fallback_launches", "correctness", "prefill", "decode", "conversion",
     "goals", "seconds", "files",
 }  # fmt: skip
 CHUNK_TENSORS = {"o", "ht", "dq", "dk", "dv", "dg", "dh0"}
@@ -44,7 +44,7 @@ def test_quick_check_passes_and_writes_its_report(tmp_path: Path, cli_env: dict[
     assert SECTIONS <= set(report)
     assert report["passed"] and not report["failures"]
     assert report["setup"]["mode"] == "quick"
-    assert report["shallower_launches"] == {}, "the interpreter refuses no launch for its shared memory"
+    assert report["fallback_launches"] == {}, "the interpreter refuses no launch for its shared memory"
 
     checks = report["correctness"]
     kernels = ("chunk", "chunk/normalizer", "recurrent", "recurrent/normalizer", "delta-chunk")
@@ -104,10 +104,24 @@ def test_skipping_delta_leaves_out_the_delta_rule_checks_only(tmp_path: Path, cl
     assert kernels == {"chunk", "chunk/normalizer", "recurrent", "recurrent/normalizer"}
 
 
-def test_shallower_launches_name_each_kernel_at_its_fewest_stages(monkeypatch: pytest.MonkeyPatch) -> None:
-    from linearize.kernels import gla_triton, gpu_check
+def test_fallback_launches_name_each_kernel_at_its_fewest_stages_and_narrowest_tile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from linearize.kernels import delta_triton, gla_triton, gpu_check
 
-    state, dv = gla_triton._fwd_state_kernel, gla_triton._bwd_dv_kernel
-    refused = {(state, ("K", 64)): 2, (state, ("K", 256)): 1, (dv, ("V", 128)): 2}
-    monkeypatch.setattr(gla_triton, "_stages", refused)
-    assert gpu_check.shallower_launches() == {"_bwd_dv_kernel": 2, "_fwd_state_kernel": 1}
+    state, dv, scan = gla_triton._fwd_state_kernel, gla_triton._bwd_dv_kernel, delta_triton._delta_dstate_kernel
+    refused = {
+        (state, ("BV", 64), ("K", 64)): (2, {"BV": 64}),
+        (state, ("BV", 64), ("K", 256)): (1, {"BV": 64}),
+        (dv, ("BV", 128), ("V", 128)): (2, {"BV": 128}),
+        (scan, ("BV", 64), ("K", 256)): (None, {"BV": 32}),
+        (scan, ("BV", 128), ("K", 256)): (1, {"BV": 16}),
+    }
+    monkeypatch.setattr(gla_triton, "_fallbacks", refused)
+    monkeypatch.setattr(delta_triton, "_chunk_lens", {(256, 64, torch.float32): 32})
+    assert gpu_check.fallback_launches() == {
+        "_bwd_dv_kernel": {"stages": 2},
+        "_delta_dstate_kernel": {"stages": 1, "BV": 16},
+        "_fwd_state_kernel": {"stages": 1},
+        "chunk_delta_triton K=256 V=64 float32": {"BT": 32},
+    }

@@ -107,6 +107,35 @@ def test_launches_run_under_the_inputs_device_guard(monkeypatch: pytest.MonkeyPa
     assert len(seen) == 2 and set(seen) == {inputs["q"].device}, "forward and backward"
 
 
+def test_a_pass_no_launch_fits_runs_again_at_half_the_chunk_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a GPU holds no launch of a pass at its chunk length (fp32 K = 256's reverse state scan on the 99 KB
+    GPUs), that pass runs again at half of it, each pass on its own, to the same result; what fit is kept."""
+    launch, tried = delta_triton._launch, []
+
+    def refusing(kernel, grid, *args, **meta) -> None:
+        if kernel is delta_triton._delta_dstate:
+            tried.append(meta["BT"])
+            if meta["BT"] > 16:
+                raise gla_triton.SharedMemoryError("refused")
+        launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(delta_triton, "_launch", refusing)
+    monkeypatch.setattr(delta_triton, "_chunk_lens", {})
+    inputs = make_inputs(1, 4, 2, 37, 16, 8, decay="channel", state=True)
+    got = outputs_and_grads(chunk_delta_triton, inputs, scale=0.8, chunk_size=64)
+    assert tried == [64, 32, 16]
+    assert delta_triton._chunk_lens == {(16, 8, torch.float32): 16}
+    for a, b in zip(got, outputs_and_grads(delta_recurrent, inputs, scale=0.8), strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    tried.clear()
+    outputs_and_grads(chunk_delta_triton, inputs, scale=0.8, chunk_size=64)
+    assert tried == [16], "the next call starts at the length that fit"
+    monkeypatch.setattr(delta_triton, "_chunk_lens", {})
+    monkeypatch.setattr(delta_triton, "SUB_CHUNK", 32)
+    with pytest.raises(gla_triton.SharedMemoryError):
+        outputs_and_grads(chunk_delta_triton, inputs, scale=0.8, chunk_size=64)
+
+
 def test_kernels_keep_fp32_where_gla_does_and_tune_bounded_state_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """The UT transform and its backward take the kept fp32 precision; on hardware the scans tune BV only as
     wide as a whole-K state tile allows (K = 256: at most 64) when autotuning."""

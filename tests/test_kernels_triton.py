@@ -16,6 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
 import triton.language as triton_language  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
@@ -213,6 +214,45 @@ def test_launches_run_under_the_inputs_device_guard(monkeypatch: pytest.MonkeyPa
         fused_recurrent_gla_triton(*(x.detach() for x in list(inputs.values())[:4]), 0.7, None)
     assert len(seen) == 3
     assert isinstance(guard(torch.zeros(1)), contextlib.nullcontext), "a CPU tensor needs no guard"
+
+
+class _SharedMemoryHungry:
+    """A stand-in kernel needing `per_column * BV * stages` bytes of shared memory, refused over `limit` as loading it
+    on a GPU would be."""
+
+    __name__ = "_hungry_kernel"
+
+    def __init__(self, per_column: int, limit: int) -> None:
+        self.per_column, self.limit, self.tried = per_column, limit, []
+
+    def __getitem__(self, grid: tuple):
+        def run(*args, BV: int, num_stages: int = 3, **meta) -> None:
+            self.tried.append((num_stages, BV, grid))
+            if self.per_column * BV * num_stages > self.limit:
+                raise triton.runtime.errors.OutOfResources(self.per_column * BV * num_stages, self.limit, "shared memory")
+
+        return run
+
+
+def test_a_refused_launch_runs_shallower_then_narrower_and_keeps_what_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """3, 2, 1 stages deep; with `narrow`, then half the value tile from 3 stages again; the fit is kept for the
+    kernel and its constants, and a launch nothing fits names the fixes in one line."""
+    monkeypatch.setattr(gla_triton, "_fallbacks", {})
+    kernel = _SharedMemoryHungry(per_column=1000, limit=40000)  # BV = 64 fits at no depth, BV = 32 at 1 stage
+    grid = lambda t: (128 // t["BV"],)  # noqa: E731
+    gla_triton._launch(kernel, grid, tiles={"BV": 64}, narrow=True, K=256, V=128)
+    assert kernel.tried == [(3, 64, (2,)), (2, 64, (2,)), (1, 64, (2,)), (3, 32, (4,)), (2, 32, (4,)), (1, 32, (4,))]
+    kernel.tried.clear()
+    gla_triton._launch(kernel, grid, tiles={"BV": 64}, narrow=True, K=256, V=128)
+    assert kernel.tried == [(1, 32, (4,))], "the next launch goes straight to what fit"
+    fixed = _SharedMemoryHungry(per_column=1000, limit=40000)
+    with pytest.raises(gla_triton.SharedMemoryError) as refused:
+        gla_triton._launch(fixed, grid, tiles={"BV": 64}, K=256, V=128)
+    assert [depth for depth, *_ in fixed.tried] == [3, 2, 1], "without `narrow` the tile stays"
+    assert str(refused.value) == (
+        "_hungry_kernel (BV=64, K=256, V=128) needs 64000 bytes of shared memory even 1 stage deep, more than this "
+        "GPU's 40000: use narrower heads, bf16 inputs, or LINEARIZE_KERNELS=torch"
+    )
 
 
 def test_bf16_state_storage() -> None:
