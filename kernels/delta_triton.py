@@ -484,7 +484,7 @@ def chunk_delta_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked gated delta rule, differentiable in q, k, v, beta, g and initial_state:
     (o in q.dtype, final state fp32). g is a log-decay (<= 0); chunk_size (rounded to a power of two
-    in [16, 64]) trades speed only."""
+    in [16, 64], halved where the GPU's shared memory holds no launch at it) trades speed only."""
     _check(q, k, v, beta, g, initial_state)
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")

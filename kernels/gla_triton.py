@@ -799,7 +799,7 @@ class SharedMemoryError(RuntimeError):
     """No pipeline depth (or value tile, where a launch may narrow it) fits the GPU's shared memory per block."""
 
 
-_fallbacks: dict[tuple, tuple[int, dict[str, int]]] = {}  # per kernel and constants where a GPU refused the
+_fallbacks: dict[tuple, tuple[int | None, dict[str, int]]] = {}  # per kernel and constants where a GPU refused the
 # default launch for its shared memory: the pipeline depth and tiles that fit
 
 

@@ -111,11 +111,12 @@ def test_a_pass_no_launch_fits_runs_again_at_half_the_chunk_length(monkeypatch: 
     """Where a GPU holds no launch of a pass at its chunk length (fp32 K = 256's reverse state scan on the 99 KB
     GPUs), that pass runs again at half of it, each pass on its own, to the same result; what fit is kept."""
     launch, tried = delta_triton._launch, []
+    longest = {delta_triton._delta_state: 32, delta_triton._delta_dstate: 16}  # the forward's scan, the backward's
 
     def refusing(kernel, grid, *args, **meta) -> None:
-        if kernel is delta_triton._delta_dstate:
-            tried.append(meta["BT"])
-            if meta["BT"] > 16:
+        if kernel in longest:
+            tried.append((kernel.__name__, meta["BT"]))
+            if meta["BT"] > longest[kernel]:
                 raise gla_triton.SharedMemoryError("refused")
         launch(kernel, grid, *args, **meta)
 
@@ -123,13 +124,14 @@ def test_a_pass_no_launch_fits_runs_again_at_half_the_chunk_length(monkeypatch: 
     monkeypatch.setattr(delta_triton, "_chunk_lens", {})
     inputs = make_inputs(1, 4, 2, 37, 16, 8, decay="channel", state=True)
     got = outputs_and_grads(chunk_delta_triton, inputs, scale=0.8, chunk_size=64)
-    assert tried == [64, 32, 16]
+    state, dstate = "_delta_state_kernel", "_delta_dstate_kernel"
+    assert tried == [(state, 64), (state, 32), (state, 32), (dstate, 32), (state, 16), (dstate, 16)]
     assert delta_triton._chunk_lens == {(16, 8, torch.float32): 16}
     for a, b in zip(got, outputs_and_grads(delta_recurrent, inputs, scale=0.8), strict=True):
         torch.testing.assert_close(a, b, **TOL)
     tried.clear()
     outputs_and_grads(chunk_delta_triton, inputs, scale=0.8, chunk_size=64)
-    assert tried == [16], "the next call starts at the length that fit"
+    assert tried == [(state, 16), (state, 16), (dstate, 16)], "the next call starts at the length that fit"
     monkeypatch.setattr(delta_triton, "_chunk_lens", {})
     monkeypatch.setattr(delta_triton, "SUB_CHUNK", 32)
     with pytest.raises(gla_triton.SharedMemoryError):
