@@ -41,6 +41,7 @@ try:  # in a try block, which transformers' remote-code import check skips: expo
     import triton.language as tl
 
     from .gla_triton import (
+        STAGES,
         SUB_CHUNK,
         SharedMemoryError,
         _block,
@@ -65,6 +66,7 @@ except ImportError:
 
 R = TypeVar("R")
 STATE_TILE = 16384  # the most [K, BV] state elements one scan program holds (K=256: BV <= 64)
+SCAN_STAGES = (STAGES, 1)  # the scans' tuned depths: fp32 at K = 256 fits a 99 KB GPU at no 2 stages (`compile_check`)
 
 
 @triton.jit
@@ -285,9 +287,13 @@ def _state_tiles(configs: list, named_args: dict, **kwargs) -> list:
 
 
 _ut_fwd = _tuned(_ut_fwd_kernel, ["BT", "K", "V", "USE_G", "GS"], ("BK", "BV"))
-_delta_state = _tuned(_delta_state_kernel, ["BT", "K", "V", "USE_G", "GS"], ("BV",), prune=_state_tiles)
+_delta_state = _tuned(
+    _delta_state_kernel, ["BT", "K", "V", "USE_G", "GS"], ("BV",), prune=_state_tiles, stages=SCAN_STAGES
+)
 _dv_local = _tuned(_dv_local_kernel, ["BT", "V", "G"], ("BV",))
-_delta_dstate = _tuned(_delta_dstate_kernel, ["BT", "K", "V", "G", "USE_G", "GS"], ("BV",), prune=_state_tiles)
+_delta_dstate = _tuned(
+    _delta_dstate_kernel, ["BT", "K", "V", "G", "USE_G", "GS"], ("BV",), prune=_state_tiles, stages=SCAN_STAGES
+)
 _ut_bwd = _tuned(_ut_bwd_kernel, ["BT", "K", "V", "USE_G", "GS"], ("BK", "BV"))
 
 

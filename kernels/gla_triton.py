@@ -87,17 +87,24 @@ WARPS = (4, 8)  # with the tiles: every config costs a compile, about a second e
 STAGES = 2
 
 
-def _tuned(kernel, key: list[str], tiles: tuple[str, ...] = (), prune: Callable | None = None):
+def _tuned(
+    kernel,
+    key: list[str],
+    tiles: tuple[str, ...] = (),
+    prune: Callable | None = None,
+    stages: tuple[int, ...] = (STAGES,),
+):
     """Autotune num_warps and the named tiles (BK, BV) where `_fixed_tiles` says so; else the kernel itself,
     launched with fixed tiles (`_launch`).
     Tuned kernels only store their outputs, never read them, so the timing reruns are harmless.
-    `prune` replaces `_fitting_tiles` as the filter of the configs to try (a kernel with its own limits).
+    `prune` replaces `_fitting_tiles` as the filter of the configs to try (a kernel with its own limits), and
+    `stages` the pipeline depths tried (a kernel that may fit only 1 stage deep).
     Where Triton can, the choice is cached on disk beside the compiled kernels: a machine tunes a shape once.
     """
     if _fixed_tiles():
         return kernel
     sizes = [dict(zip(tiles, combo)) for combo in itertools.product(TILES, repeat=len(tiles))]
-    configs = [triton.Config(size, num_warps=w, num_stages=STAGES) for size in sizes for w in WARPS]
+    configs = [triton.Config(size, num_warps=w, num_stages=n) for size in sizes for w in WARPS for n in stages]
     options = {"prune_configs_by": {"early_config_prune": prune or _fitting_tiles}}
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         options["cache_results"] = True
@@ -805,7 +812,8 @@ _fallbacks: dict[tuple, tuple[int | None, dict[str, int]]] = {}  # per kernel an
 
 def _launch(kernel, grid, *args, tiles: dict[str, int], warps: int | None = None, narrow: bool = False, **meta) -> None:
     """Launch over `grid(tiles)` with fixed tiles and `warps` (Triton's default if None), or the autotuner's choice
-    for a kernel `_tuned` wrapped in one (the autotuner itself skips configs a GPU cannot hold).
+    for a kernel `_tuned` wrapped in one (the autotuner itself skips configs a GPU cannot hold; where it can hold
+    none, SharedMemoryError as below).
 
     Fixed tiles pipeline Triton's default 3 stages deep. Where a GPU lacks the shared memory that takes (fp32
     tiles on the 99 KB per block of sm_86 / sm_89 / sm_120: A10, L4, RTX 30-50), Triton refuses the launch and it
@@ -816,7 +824,12 @@ def _launch(kernel, grid, *args, tiles: dict[str, int], warps: int | None = None
     a machine without one.
     """
     if isinstance(kernel, triton.runtime.Autotuner):
-        kernel[grid](*args, **meta)
+        try:
+            kernel[grid](*args, **meta)
+        except triton.runtime.errors.OutOfResources as err:  # every config was refused: it ran the last one tried
+            if err.name != "shared memory":
+                raise
+            raise _refusal(kernel.base_fn.__name__, meta, err, "in every tuned config") from err
         return
     options = {**meta, **({} if warps is None else {"num_warps": warps})}
     key = (kernel, *sorted({**tiles, **options}.items())) if _fallbacks else None  # built once a launch was refused
@@ -833,13 +846,17 @@ def _launch(kernel, grid, *args, tiles: dict[str, int], warps: int | None = None
             elif narrow and fit["BV"] > 16:
                 depth, fit = None, {**fit, "BV": fit["BV"] // 2}
             else:
-                named = ", ".join(f"{k}={v}" for k, v in sorted({**meta, **fit}.items()) if k in ("K", "V", "BT", "BV"))
-                raise SharedMemoryError(
-                    f"{kernel.__name__} ({named}) needs {err.required} bytes of shared memory even 1 stage deep, "
-                    f"more than this GPU's {err.limit}: use narrower heads, bf16 inputs, or LINEARIZE_KERNELS=torch"
-                ) from err
+                raise _refusal(kernel.__name__, {**meta, **fit}, err, "even 1 stage deep") from err
             key = key or (kernel, *sorted({**tiles, **options}.items()))
             _fallbacks[key] = (depth, fit)
+
+
+def _refusal(name: str, constants: dict, err: Exception, where: str) -> SharedMemoryError:
+    named = ", ".join(f"{k}={v}" for k, v in sorted(constants.items()) if k in ("K", "V", "BT", "BV"))
+    return SharedMemoryError(
+        f"{name} ({named}) needs {err.required} bytes of shared memory {where}, more than this GPU's {err.limit}: "
+        "use narrower heads, bf16 inputs, or LINEARIZE_KERNELS=torch"
+    )
 
 
 def _device_guard(x: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -140,7 +140,7 @@ def test_a_pass_no_launch_fits_runs_again_at_half_the_chunk_length(monkeypatch: 
 
 def test_kernels_keep_fp32_where_gla_does_and_tune_bounded_state_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """The UT transform and its backward take the kept fp32 precision; on hardware the scans tune BV only as
-    wide as a whole-K state tile allows (K = 256: at most 64) when autotuning."""
+    wide as a whole-K state tile allows (K = 256: at most 64) when autotuning, 2 and 1 stages deep."""
     for kernel in (delta_triton._ut_fwd_kernel, delta_triton._dv_local_kernel, delta_triton._ut_bwd_kernel):
         assert "PREC32" in kernel.arg_names
     monkeypatch.setattr(gla_triton, "_interpreting", lambda: False)
@@ -149,6 +149,10 @@ def test_kernels_keep_fp32_where_gla_does_and_tune_bounded_state_tiles(monkeypat
     assert {c.kwargs["BV"] for c in tuner.configs} == set(gla_triton.TILES)
     assert {c.kwargs["BV"] for c in delta_triton._state_tiles(tuner.configs, {}, K=256, V=128)} == {32, 64}
     assert {c.kwargs["BV"] for c in delta_triton._state_tiles(tuner.configs, {}, K=64, V=128)} == {32, 64, 128}
+    scan = gla_triton._tuned(delta_triton._delta_state_kernel, ["K"], ("BV",), stages=delta_triton.SCAN_STAGES)
+    assert {(c.kwargs["BV"], c.num_warps, c.num_stages) for c in scan.configs} == {
+        (bv, warps, stages) for bv in gla_triton.TILES for warps in gla_triton.WARPS for stages in (2, 1)
+    }, "the scans also try 1 stage"
 
 
 def test_shape_errors_name_the_tensors() -> None:

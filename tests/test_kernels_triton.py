@@ -255,6 +255,29 @@ def test_a_refused_launch_runs_shallower_then_narrower_and_keeps_what_fit(monkey
     )
 
 
+class _RefusingTuner(triton.runtime.Autotuner):
+    """A stand-in autotuner whose every config the GPU refused: Triton then launches one anyway, and it fails."""
+
+    def __init__(self) -> None:
+        self.base_fn = _SharedMemoryHungry
+
+    def __getitem__(self, grid):
+        def run(*args, **meta) -> None:
+            raise triton.runtime.errors.OutOfResources(131072, 101376, "shared memory")
+
+        return run
+
+
+def test_a_tuned_launch_no_config_fits_names_the_fixes() -> None:
+    """The same one-line SharedMemoryError as a fixed launch's, so a delta-rule pass halves its chunk there too."""
+    with pytest.raises(gla_triton.SharedMemoryError) as refused:
+        gla_triton._launch(_RefusingTuner(), lambda meta: (1,), tiles={}, K=256, V=64, BT=64)
+    assert str(refused.value) == (
+        "_SharedMemoryHungry (BT=64, K=256, V=64) needs 131072 bytes of shared memory in every tuned config, more "
+        "than this GPU's 101376: use narrower heads, bf16 inputs, or LINEARIZE_KERNELS=torch"
+    )
+
+
 def test_bf16_state_storage() -> None:
     """state_dtype=bf16 stores the chunk states and the final state in bf16; results stay within bf16 rounding."""
     inputs = make_inputs(1, 2, 1, 40, 16, 16, decay=True, state=True)
