@@ -9,10 +9,10 @@ with a stand-in driver that names one GPU at a time: every launch compiles for i
 
 Each compiled kernel's shared memory is checked against that GPU's limit per block, as Triton checks it
 when it loads a kernel; over it, the stand-in refuses the launch as Triton would, so the library's own
-answer (`gla_triton._launch` retries at fewer pipeline stages) runs here too. A launch fails the check
-when it does not compile or when nothing the library tries fits. Registers and spilled bytes (ptxas's
-stack and local memory, read from each cubin with the cuobjdump Triton ships) are reported: spills cost
-speed, not correctness. `--quick` is the CI subset (K = V = 64, sm_86 and sm_90: about a minute each with
+answer (`gla_triton._launch` retries at fewer pipeline stages; the delta rule's scans then at narrower
+value tiles and shorter chunks) runs here too. A launch fails the check when it does not compile or
+when nothing the library tries fits. Registers and spilled bytes (ptxas's stack and local memory, read
+from each cubin with the cuobjdump Triton ships) are reported: spills cost speed, not correctness. `--quick` is the CI subset (K = V = 64, sm_86 and sm_90: about a minute each with
 an empty Triton cache, seconds with a warm one).
 
     python -m linearize.kernels.compile_check [--quick] [--targets sm_80 ...] [--only TEXT] [--out DIR]

@@ -832,8 +832,8 @@ def _launch(kernel, grid, *args, tiles: dict[str, int], warps: int | None = None
             raise _refusal(kernel.base_fn.__name__, meta, err, "in every tuned config") from err
         return
     options = {**meta, **({} if warps is None else {"num_warps": warps})}
-    key = (kernel, *sorted({**tiles, **options}.items())) if _fallbacks else None  # built once a launch was refused
-    depth, fit = _fallbacks.get(key, (None, tiles)) if key else (None, tiles)
+    key = _fallback_key(kernel, tiles, options) if _fallbacks else None  # until a refusal no launch pays for it
+    depth, fit = _fallbacks.get(key, (None, tiles))
     while True:
         try:
             kernel[grid(fit)](*args, **fit, **options, **({} if depth is None else {"num_stages": depth}))
@@ -847,8 +847,12 @@ def _launch(kernel, grid, *args, tiles: dict[str, int], warps: int | None = None
                 depth, fit = None, {**fit, "BV": fit["BV"] // 2}
             else:
                 raise _refusal(kernel.__name__, {**meta, **fit}, err, "even 1 stage deep") from err
-            key = key or (kernel, *sorted({**tiles, **options}.items()))
+            key = key or _fallback_key(kernel, tiles, options)
             _fallbacks[key] = (depth, fit)
+
+
+def _fallback_key(kernel, tiles: dict[str, int], options: dict) -> tuple:
+    return (kernel, *sorted({**tiles, **options}.items()))
 
 
 def _refusal(name: str, constants: dict, err: Exception, where: str) -> SharedMemoryError:
