@@ -12,10 +12,11 @@ when it loads a kernel; over it, the stand-in refuses the launch as Triton would
 answer (`gla_triton._launch` retries at fewer pipeline stages; the delta rule's scans then at narrower
 value tiles and shorter chunks) runs here too. A launch fails the check when it does not compile or
 when nothing the library tries fits. Registers and spilled bytes (ptxas's stack and local memory, read
-from each cubin with the cuobjdump Triton ships) are reported: spills cost speed, not correctness. `--quick` is the CI subset (K = V = 64, sm_86 and sm_90: about a minute each with
+from each cubin with the cuobjdump Triton ships) are reported: spills cost speed, not correctness. `--autotune`
+compiles every config the autotuner would time instead. `--quick` is the CI subset (K = V = 64, sm_86 and sm_90: about a minute each with
 an empty Triton cache, seconds with a warm one).
 
-    python -m linearize.kernels.compile_check [--quick] [--targets sm_80 ...] [--only TEXT] [--out DIR]
+    python -m linearize.kernels.compile_check [--quick] [--targets sm_80 ...] [--only TEXT] [--autotune] [--out DIR]
 """
 
 from __future__ import annotations
@@ -127,26 +128,49 @@ def resources(cubin: bytes) -> tuple[int, int]:
 @contextmanager
 def compiling_for(name: str, record: Callable[[Any, str, float], None]) -> Iterator[None]:
     """Within: every Triton launch compiles for target `name` and does not run; `record(kernel, function name,
-    seconds)` sees each compiled kernel and raises OutOfResources, as loading it would, for one that does not fit."""
+    seconds)` sees each compiled kernel and raises OutOfResources, as loading it would, for one that does not fit.
+
+    An autotuned launch (`LINEARIZE_AUTOTUNE=1`) compiles every config its pruning keeps, as the autotuner
+    would before timing them. The autotuner skips a config the GPU refuses, so the launch fits when one of
+    them does; when none does, the autotuner launches its first config anyway, and that refusal is raised.
+    """
     import triton
+    from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    original = JITFunction.run
+    original = JITFunction.run, Autotuner.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         started = time.perf_counter()
-        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+        kernel = original[0](self, *args, grid=grid, warmup=True, **kwargs)
         record(kernel, self.__name__, time.perf_counter() - started)
         return kernel
+
+    def compile_every_config(self, *args, **kwargs):
+        self.nargs = dict(zip(self.arg_names, args))
+        fitting, refusal = None, None
+        try:
+            for config in self.prune_configs(kwargs):
+                try:
+                    kernel = self.fn.run(*args, **kwargs, **config.all_kwargs())
+                except triton.runtime.errors.OutOfResources as err:
+                    refusal = refusal or err
+                else:
+                    fitting = fitting or kernel
+        finally:
+            self.nargs = None
+        if fitting is None:
+            raise refusal
+        return fitting
 
     drivers = triton.runtime.driver
     previous = drivers._active  # None until a real driver was asked for: none may exist here
     drivers.set_active(_CompileOnlyDriver(name, TARGETS[name]))
-    JITFunction.run = compile_only
+    JITFunction.run, Autotuner.run = compile_only, compile_every_config
     try:
         yield
     finally:
-        JITFunction.run = original
+        JITFunction.run, Autotuner.run = original
         drivers._active = previous
 
 
@@ -306,8 +330,11 @@ def check(targets: tuple[str, ...], plan: Plan, only: str | None = None) -> tupl
     return compiled, results
 
 
-def summary(compiled: list[Compiled], results: list[CaseResult], targets: tuple[str, ...]) -> list[dict[str, Any]]:
-    """One row per target: kernels, cases passed, the widest shared memory launched, refusals, spills."""
+def summary(
+    compiled: list[Compiled], results: list[CaseResult], targets: tuple[str, ...], default_stages: int = 3
+) -> list[dict[str, Any]]:
+    """One row per target: kernels, cases passed, the widest shared memory launched, refusals, spills.
+    `default_stages` is the depth a launch starts at: Triton's 3 for fixed tiles, the tuned configs' deepest."""
     rows = []
     for name in targets:
         mine = [c for c in compiled if c.target == name]
@@ -321,7 +348,7 @@ def summary(compiled: list[Compiled], results: list[CaseResult], targets: tuple[
             "cases": sum(r.target == name for r in results),
             "max_shared_launched": max((c.shared for c in launched), default=0),
             "refused": sorted({c.kernel for c in mine if not c.fits}),  # at some depth, for some case
-            "launched_shallower": sum(c.stages < 3 for c in launched),
+            "launched_shallower": sum(c.stages < default_stages for c in launched),
             "max_registers": max((c.registers for c in mine), default=0),
             "spilling": sorted({c.kernel for c in launched if c.spilled}),
             "max_spilled": max((c.spilled for c in launched), default=0),
@@ -334,6 +361,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help=f"K = V = 64 for {' and '.join(QUICK_TARGETS)} only (CI)")
     p.add_argument("--targets", nargs="+", choices=list(TARGETS), help="GPU generations (default: all)")
     p.add_argument("--only", metavar="TEXT", help="only the cases whose name contains TEXT (e.g. 'delta-chunk bf16')")
+    p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="compile every config LINEARIZE_AUTOTUNE=1 would time instead of the fixed tiles (a launch fits if one does)",
+    )
     p.add_argument("--out", type=Path, default=Path("out/compile_check"), help="folder for compile_check.json")
     return p
 
@@ -341,7 +373,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.environ["LINEARIZE_AUTOTUNE"] = "0"  # the fixed tiles every launch uses unless asked to tune (read at import)
+    os.environ["LINEARIZE_AUTOTUNE"] = "1" if args.autotune else "0"  # read when the kernels are imported
     try:
         import triton
 
@@ -360,12 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"compile_check: error: {err}", file=sys.stderr)
         return 2
-    rows = summary(compiled, results, targets)
+    rows = summary(compiled, results, targets, gla_triton.STAGES if args.autotune else 3)
     passed = all(r.passed for r in results)
     report = {
         "triton": triton.__version__,
         "torch": torch.__version__,
         "plan": asdict(plan),
+        "autotune": args.autotune,
         "passed": passed,
         "seconds": time.perf_counter() - started,
         "targets": rows,
@@ -384,7 +417,8 @@ def _print(rows: list[dict[str, Any]], report: dict[str, Any], path: Path) -> No
     from rich.table import Table
 
     console = Console(width=max(Console().width, 140))
-    table = Table(title=f"Triton kernels compiled per GPU (triton {report['triton']}, {report['seconds']:.0f} s)")
+    tiles = "every autotuned config" if report["autotune"] else "fixed tiles"
+    table = Table(title=f"Triton kernels compiled per GPU ({tiles}, triton {report['triton']}, {report['seconds']:.0f} s)")
     for column in ("target", "GPUs", "kernels", "cases passed", "widest launched / limit (KB)", "kernels refused",
                    "launched shallower", "max regs", "spilling kernels", "max spill (B/thread)"):  # fmt: skip
         table.add_column(column)

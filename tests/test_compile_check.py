@@ -67,6 +67,26 @@ def test_every_launch_compiles_and_fits_the_quick_targets(tmp_path: Path, cli_en
     assert all(c["fits"] for c in sm90), "H100 / H200 hold every launch at Triton's default stages"
 
 
+def test_autotune_compiles_every_config_the_tuner_would_time(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    """`--autotune`: each tuned launch compiles all its pruned configs (both warp counts; the delta rule's state scans
+    also 1 stage deep), and a case passes when one config of each launch fits."""
+    case = "delta-chunk fp32 K=64 V=64 decay=head"
+    command = [*CHECK, "--autotune", "--targets", "sm_86", "--only", case, "--out", str(tmp_path)]
+    code, out = _finish(_start(command, tmp_path, cli_env))
+    assert code == 0, out[-4000:]
+    assert "every autotuned config" in out
+    report = json.loads((tmp_path / "compile_check.json").read_text())
+    assert report["autotune"] and report["passed"]
+    configs: dict[str, set] = {}
+    for c in report["kernels"]:
+        configs.setdefault(c["kernel"], set()).add((c["warps"], c["stages"], c["constants"].get("BV")))
+    for kernel in ("_ut_fwd_kernel", "_ut_bwd_kernel", "_dv_local_kernel"):
+        assert {w for w, _, _ in configs[kernel]} == {4, 8}
+        assert {bv for _, _, bv in configs[kernel]} == {32, 64}, "tiles up to the head dimension"
+    for kernel in ("_delta_state_kernel", "_delta_dstate_kernel"):
+        assert {s for _, s, _ in configs[kernel]} == {1, 2}
+
+
 def test_bad_arguments_are_refused_in_one_line(tmp_path: Path, cli_env: dict[str, str]) -> None:
     code, out = _finish(_start([*CHECK, "--only", "no-such-kernel", "--out", str(tmp_path)], tmp_path, cli_env))
     assert code == 2 and "no case name contains 'no-such-kernel'" in out
