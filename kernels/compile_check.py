@@ -12,9 +12,10 @@ when it loads a kernel; over it, the stand-in refuses the launch as Triton would
 answer (`gla_triton._launch` retries at fewer pipeline stages; the delta rule's scans then at narrower
 value tiles and shorter chunks) runs here too. A launch fails the check when it does not compile or
 when nothing the library tries fits. Registers and spilled bytes (ptxas's stack and local memory, read
-from each cubin with the cuobjdump Triton ships) are reported: spills cost speed, not correctness. `--autotune`
-compiles every config the autotuner would time instead. `--quick` is the CI subset (K = V = 64, sm_86 and sm_90: about a minute each with
-an empty Triton cache, seconds with a warm one).
+from each cubin with the cuobjdump Triton ships) are reported: spills cost speed, not correctness.
+`--autotune` compiles every config the autotuner would time instead of the fixed tiles. `--quick` is the
+CI subset (K = V = 64, sm_86 and sm_90: about a minute each with an empty Triton cache, seconds with a
+warm one).
 
     python -m linearize.kernels.compile_check [--quick] [--targets sm_80 ...] [--only TEXT] [--autotune] [--out DIR]
 """
@@ -60,6 +61,7 @@ TARGETS = {
     "sm_120": Target(120, 101376, "RTX 50"),
 }
 QUICK_TARGETS = ("sm_86", "sm_90")
+FIXED_STAGES = 3  # Triton's default pipeline depth, where a fixed-tile launch starts
 REGISTERS_PER_BLOCK = 65536
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -331,7 +333,7 @@ def check(targets: tuple[str, ...], plan: Plan, only: str | None = None) -> tupl
 
 
 def summary(
-    compiled: list[Compiled], results: list[CaseResult], targets: tuple[str, ...], default_stages: int = 3
+    compiled: list[Compiled], results: list[CaseResult], targets: tuple[str, ...], default_stages: int = FIXED_STAGES
 ) -> list[dict[str, Any]]:
     """One row per target: kernels, cases passed, the widest shared memory launched, refusals, spills.
     `default_stages` is the depth a launch starts at: Triton's 3 for fixed tiles, the tuned configs' deepest."""
@@ -392,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"compile_check: error: {err}", file=sys.stderr)
         return 2
-    rows = summary(compiled, results, targets, gla_triton.STAGES if args.autotune else 3)
+    rows = summary(compiled, results, targets, gla_triton.STAGES if args.autotune else FIXED_STAGES)
     passed = all(r.passed for r in results)
     report = {
         "triton": triton.__version__,

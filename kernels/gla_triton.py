@@ -826,7 +826,7 @@ def _launch(kernel, grid, *args, tiles: dict[str, int], warps: int | None = None
     if isinstance(kernel, triton.runtime.Autotuner):
         try:
             kernel[grid](*args, **meta)
-        except triton.runtime.errors.OutOfResources as err:  # every config was refused: it ran the last one tried
+        except triton.runtime.errors.OutOfResources as err:  # every config was refused: it launched the first anyway
             if err.name != "shared memory":
                 raise
             raise _refusal(kernel.base_fn.__name__, meta, err, "in every tuned config") from err
