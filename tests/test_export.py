@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -183,13 +184,14 @@ LOADER = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def real_export(embedded_teacher, tmp_path_factory):
-    """(teacher, tokenizer, student, export folder): SmolLM2 with layers 0-2 GLA, exported once."""
+    """(teacher, tokenizer, student, export folder): SmolLM2 with layers 0-2 GLA, exported once per module."""
     teacher, tokenizer, _ = embedded_teacher
     n = teacher.config.num_hidden_layers
     layer_types = [LIN] * 3 + [FULL] * (n - 3)
     student = linearize_model(teacher, layer_types, {"kind": "gla"}, teacher_name="smollm2").eval()
-    folder = export(student, tokenizer, tmp_path_factory.mktemp("export") / "smollm2-gla3")
-    return teacher, tokenizer, student, folder
+    root = tmp_path_factory.mktemp("export")
+    yield teacher, tokenizer, student, export(student, tokenizer, root / "smollm2-gla3")
+    shutil.rmtree(root)  # half a GB of fp32 weights: gone before the next module writes its own
 
 
 @pytest.mark.slow
