@@ -21,10 +21,11 @@ from ..modeling.families import text_config
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's distinct parameters and buffers (tied and shared tensors counted once)."""
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:
-        key = id(tensor) if tensor.is_meta else tensor.untyped_storage().data_ptr()
+        # By address and size, not storage: fused q/k/v weights are slices of one storage (`lay_out_projections`).
+        key = (id(tensor), 0) if tensor.is_meta else (tensor.data_ptr(), tensor.numel())
         if key not in seen:
             seen.add(key)
             total += tensor.numel() * tensor.element_size()

@@ -16,9 +16,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..modeling.modeling_linearize import LinearizeForCausalLM
+from .budget import weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ AUTO_MAP = {
     "AutoConfig": "configuration_linearize.LinearizeConfig",
     "AutoModelForCausalLM": "modeling_linearize.LinearizeForCausalLM",
 }
+EXPORT_EXTRA_BYTES = 64 * 2**20  # tokenizer, remote code, card, report and plot beside the weights
 CROSS_PACKAGE_IMPORT = re.compile(r"^from \.\.\w+\.(\w+) import", flags=re.MULTILINE)
 
 
@@ -46,6 +49,20 @@ def check_output(path: Path, overwrite: bool) -> None:
     """Refuse to replace a user's folder unless asked to."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
         raise FileExistsError(f"output {str(path)!r} already exists: pass --overwrite or choose another --output")
+
+
+def check_space(output: Path, model: torch.nn.Module) -> None:
+    """Refuse an export the disk cannot hold, before writing: a full disk fails inside the serializer
+    instead, with an I/O error that names neither the cause's size nor the fix."""
+    ancestor = output.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    needed, free = weight_bytes(model) + EXPORT_EXTRA_BYTES, shutil.disk_usage(ancestor).free
+    if needed > free:
+        raise OSError(
+            f"the export needs about {needed / 2**30:.2f} GiB and {str(ancestor)!r} has {free / 2**30:.2f} GiB free: "
+            "free some space or choose another --output"
+        )
 
 
 def write_remote_code(folder: Path) -> None:
@@ -69,6 +86,7 @@ def export(
     """Write the student to `output` atomically and return the folder; `extras` adds files to the staging folder."""
     output = Path(output).expanduser().resolve()
     check_output(output, overwrite)
+    check_space(output, model)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.staging-"))
     try:

@@ -30,7 +30,7 @@ from ..modeling.families import text_config
 from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
 from .budget import parameter_count, peak_rss_bytes, weight_bytes
-from .export import check_output, default_model_card, export
+from .export import check_output, check_space, default_model_card, export
 from .parallel import sharding_requested
 from .measure import perplexity
 from .plan import SCORED, describe, plan_layers
@@ -474,6 +474,8 @@ def convert(
     check_inputs(teacher, recipe, output, overwrite)
     by_spec = isinstance(teacher, str)
     teacher, tokenizer, spec, resolved = load_teacher(teacher, tokenizer, recipe, accelerator)
+    if output is not None and accelerator.is_main_process:
+        check_space(output, teacher)  # the export is the teacher's weights and a few new ones: fail before training
     work = open_work_dir(output, work_dir, recipe, spec, overwrite, accelerator)
     own_model = by_spec and _spec(recipe.model) == spec  # a model in memory cannot be told apart: it is measured
     shard = sharding_requested(shard)

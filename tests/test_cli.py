@@ -396,6 +396,30 @@ def test_corrupt_checkpoint_names_the_file(cli, tiny_llama_dir, tmp_path, monkey
     assert not (tmp_path / "out").exists()
 
 
+def test_a_disk_too_small_for_the_export_is_refused_before_training(cli, tiny_llama_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from linearize.convert import train
+
+    monkeypatch.chdir(tmp_path)
+    usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=10**5) if Path(path) == tmp_path else usage(path))
+
+    def training(*args, **kwargs):
+        raise AssertionError("training started on a disk that cannot hold the export")
+
+    monkeypatch.setattr(train, "run_loop", training)
+    code, _, err = cli(
+        "--model", tiny_llama_dir, "--output", "out", "--quiet", "--no-measure",
+        "--transfer-tokens", "128", "--finetune-tokens", "0", *TINY_ARGS,
+    )  # fmt: skip
+    assert code == 2, err
+    line = one_error_line(err)
+    assert "the export needs about" in line and f"'{tmp_path}' has 0.00 GiB free" in line
+    assert line.endswith("free some space or choose another --output")
+    assert not (tmp_path / "out").exists()
+
+
 def test_failed_run_does_not_block_the_corrected_one(cli, tiny_llama_dir, tmp_path, monkeypatch):
     """A typo that fails before any checkpoint must not leave a work folder that refuses the fixed command."""
     monkeypatch.chdir(tmp_path)

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ from conftest import make_tiny_linearize
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from linearize.convert.budget import weight_bytes
 from linearize.convert.export import AUTO_MAP, export
+from linearize.modeling.modeling_linearize import LinearAttention, lay_out_for_cpu_decode
 from linearize.convert.swap import linearize_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -126,6 +129,30 @@ def test_export_into_existing_empty_folder(tiny_student, tmp_path):
     target.mkdir()
     export(tiny_student, None, target)
     assert (target / "model.safetensors").is_file()
+
+
+def test_export_refuses_a_disk_too_small_before_writing(tiny_student, tmp_path, monkeypatch):
+    target = tmp_path / "model"
+    export(tiny_student, None, target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    free = weight_bytes(tiny_student)  # the weights fit, the folder's other files do not
+    disk = types.SimpleNamespace(total=10 * free, used=9 * free, free=free)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk)
+    for output in (target, tmp_path / "new" / "model"):
+        with pytest.raises(OSError, match=r"^the export needs about .* GiB free: free some space or choose another --output$"):
+            export(tiny_student, None, output, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"], "staging or new folder written"
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before, "the previous export changed"
+
+
+def test_weight_bytes_counts_fused_projection_slices_apart(tiny_student):
+    """q/k/v laid out for eager CPU decoding are slices of one storage: each still counts."""
+    expected = sum(p.numel() * p.element_size() for p in tiny_student.parameters()) + sum(
+        b.numel() * b.element_size() for b in tiny_student.buffers()
+    )
+    lay_out_for_cpu_decode(tiny_student, column_major=True, smallest=0)
+    assert any(m.qkv_columns is not None for m in tiny_student.modules() if isinstance(m, LinearAttention))
+    assert weight_bytes(tiny_student) == expected
 
 
 # ----------------------------------------------------------------------------------------------
