@@ -107,8 +107,17 @@ class Checkpoint:
                         tensors[f"optim.{index}.{key}"] = full(value).detach().to("cpu").contiguous()
         if not write:
             return
+        from safetensors import SafetensorError
+
         tmp = self.path.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata={"progress": json.dumps(progress)})
+        try:
+            save_file(tensors, str(tmp), metadata={"progress": json.dumps(progress)})
+        except (OSError, SafetensorError) as err:  # a full disk, mostly: the last checkpoint is still whole
+            tmp.unlink(missing_ok=True)
+            raise OSError(
+                f"cannot save checkpoint {self.path} ({err}): free some space, then rerun the same command to resume"
+                + (" from the last checkpoint" if self.exists() else "")
+            ) from None
         os.replace(tmp, self.path)
 
     def load(self, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None) -> dict:
@@ -258,12 +267,18 @@ def stop_on_ctrl_c() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def all_finite(loss: torch.Tensor, accelerator: Accelerator) -> bool:
-    """Whether the loss is finite on every process: all of them stop together, none waits in an all-reduce."""
-    bad = (~torch.isfinite(loss.detach())).any().float().reshape(1)
+def on_every_process(ok: bool | torch.Tensor, accelerator: Accelerator) -> bool:
+    """Whether `ok` holds on every process, told to all of them by one all-reduce: when one process fails,
+    all stop together and none is left waiting in a collective."""
+    bad = (~torch.as_tensor(ok, device=accelerator.device)).float().reshape(1)
     if accelerator.num_processes > 1:
         bad = accelerator.reduce(bad, reduction="sum")
     return not bad.item()
+
+
+def all_finite(loss: torch.Tensor, accelerator: Accelerator) -> bool:
+    """Whether the loss is finite on every process."""
+    return on_every_process(torch.isfinite(loss.detach()).all(), accelerator)
 
 
 def run_loop(
@@ -319,11 +334,16 @@ def run_loop(
         started = time.perf_counter()
 
         def save(step: int, done: bool = False) -> None:
+            failure = None
             if accelerator.is_main_process or parallel.sharded:
                 seconds = elapsed + time.perf_counter() - started
                 state = {"step": step, "done": done, "curve": result.curve, "seconds": seconds}
-                checkpoint.save(params, optimizer, state, write=accelerator.is_main_process)
-            accelerator.wait_for_everyone()
+                try:
+                    checkpoint.save(params, optimizer, state, write=accelerator.is_main_process)
+                except OSError as err:
+                    failure = err
+            if not on_every_process(failure is None, accelerator):
+                raise failure or OSError(f"{name}: the main process could not save its checkpoint (see its error)")
 
         bar = tqdm(
             total=total,

@@ -1,6 +1,6 @@
 """Training works and stays lean: stage 1 learns, LoRA merges exactly, steps split into passes give the
-same update, a resumed stage ends where an uninterrupted one does, a bf16 model trains fp32 masters,
-and a non-finite loss on one process stops every process."""
+same update, a resumed stage ends where an uninterrupted one does (after Ctrl-C or a full disk), a bf16
+model trains fp32 masters, and a non-finite loss on one process stops every process."""
 
 from __future__ import annotations
 
@@ -8,17 +8,21 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
+
+from linearize.convert import train as train_module
 
 from linearize.convert.pipeline import _stage_data
 from linearize.convert.plan import plan_layers
 from linearize.convert.recipes import Recipe, Stage
 from linearize.convert.swap import linearize_model, new_parameters
-from linearize.convert.train import StageInterrupted, attention_transfer, lora_finetune, measure_layer_errors, run_loop
+from linearize.convert.train import Checkpoint, StageInterrupted, attention_transfer, lora_finetune, measure_layer_errors, run_loop
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -155,6 +159,37 @@ def test_a_resumed_stage_ends_equal_to_an_uninterrupted_one(tmp_path):
         torch.testing.assert_close(value.detach(), uninterrupted[name], rtol=0, atol=0)
 
 
+def test_a_checkpoint_the_disk_cannot_hold_keeps_the_last_one_and_the_run_resumes(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    stage = Stage(tokens=10 * 2 * 6, batch_size=2, lr=0.05, checkpoint_every=3)
+    module, params = toy()
+    run_loop("stage", module, params, DATA, stage, toy_loss, Accelerator(cpu=True), None)
+    uninterrupted = {k: v.detach().clone() for k, v in params.items()}
+
+    writes = []
+
+    def full_disk(tensors, filename, metadata=None):
+        writes.append(filename)
+        if len(writes) == 2:  # the checkpoint of step 6: half written when the disk fills
+            Path(filename).write_bytes(b"\0" * 100)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(train_module, "save_file", full_disk)
+    module, params = toy()
+    with pytest.raises(OSError, match=r"No space left on device .*: free some space, then rerun the same command to resume from the last checkpoint$"):
+        run_loop("stage", module, params, DATA, stage, toy_loss, Accelerator(cpu=True), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage.safetensors"]  # no partial file left
+    assert Checkpoint(tmp_path, "stage").meta()["step"] == 3
+    monkeypatch.setattr(train_module, "save_file", save_file)
+    module, params = toy(seed=5)
+    result = run_loop("stage", module, params, DATA, stage, toy_loss, Accelerator(cpu=True), tmp_path)
+    assert result.resumed_from == 3 and result.steps == 10
+    for name, value in params.items():
+        torch.testing.assert_close(value.detach(), uninterrupted[name], rtol=0, atol=0)
+
+
 def test_a_bf16_model_trains_fp32_masters_and_keeps_its_dtype(tiny_llama_dir, tiny_tokenizer, monkeypatch):
     _, student = tiny_student(tiny_llama_dir, dtype=torch.bfloat16)
     params = new_parameters(student)
@@ -202,17 +237,62 @@ NAN_ON_ONE_RANK = textwrap.dedent(
 )
 
 
+FULL_DISK_ON_THE_MAIN_PROCESS = textwrap.dedent(
+    """
+    from pathlib import Path
+
+    import torch
+    from accelerate import Accelerator
+    from safetensors import SafetensorError
+    from linearize.convert import train
+    from linearize.convert.recipes import Stage
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 1)
+    rank = accelerator.process_index
+    Path("work").mkdir(exist_ok=True)
+
+    def full_disk(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    train.save_file = full_disk  # only the main process writes
+    try:
+        train.run_loop("stage", module, dict(module.named_parameters()), torch.ones(64, 4, dtype=torch.long),
+                       Stage(tokens=10 * 2 * 4 * 2, batch_size=2, lr=0.01, checkpoint_every=2),
+                       lambda model, batch: model(batch.float()).pow(2).mean(), accelerator, Path("work"))
+    except OSError as err:
+        print(f"rank {rank} stopped: {err}", flush=True)
+        raise SystemExit(3)
+    """
+)
+
+
+def launch_two(script_text: str, tmp_path, cli_env) -> tuple[int, str]:
+    """(exit code, output) of `script_text` run as 2 CPU processes by accelerate."""
+    from test_distributed import ACCELERATE, free_port
+
+    script = tmp_path / "job.py"
+    script.write_text(script_text)
+    command = [sys.executable, "-m", "accelerate.commands.launch", *ACCELERATE, "--main_process_port", str(free_port()), str(script)]
+    proc = subprocess.run(command, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) path")
+def test_a_full_disk_on_the_main_process_stops_every_process(tmp_path, cli_env):
+    code, out = launch_two(FULL_DISK_ON_THE_MAIN_PROCESS, tmp_path, cli_env)
+    assert code != 0
+    assert "rank 0 stopped: cannot save checkpoint work/stage.safetensors (Error while serializing" in out, out[-3000:]
+    assert "rank 1 stopped: stage: the main process could not save its checkpoint (see its error)" in out, out[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) path")
 def test_a_nan_on_one_process_stops_every_process(tmp_path, cli_env):
-    from test_distributed import ACCELERATE, free_port
-
-    script = tmp_path / "nan.py"
-    script.write_text(NAN_ON_ONE_RANK)
-    command = [sys.executable, "-m", "accelerate.commands.launch", *ACCELERATE, "--main_process_port", str(free_port()), str(script)]
-    proc = subprocess.run(command, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    code, out = launch_two(NAN_ON_ONE_RANK, tmp_path, cli_env)
+    assert code != 0
     for rank in (0, 1):  # neither waits in an all-reduce for the other
         assert f"rank {rank} stopped: stage: loss became" in out, out[-3000:]
     assert "rank 1 stopped: stage: loss became nan at step 2" in out
