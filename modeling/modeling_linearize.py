@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
 from ..kernels.feature_maps import (  # noqa: E402
     elu_plus_one,
     hedgehog,
+    hedgehog_step,
     orthogonal_random_features,
     performer,
     performer_logits,
@@ -58,6 +60,7 @@ from ..kernels.ops import NORMALIZER_EPS, gated_delta_rule, gated_linear_attenti
 from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
 from .families import Family, family_of  # noqa: E402
 
+Derived = TypeVar("Derived")
 RECURRENT_MAX_TOKENS = 16  # at most this many new tokens with a state: step the recurrence instead of chunking
 # The window/linear mix starts at sigmoid(2) = 0.88 on the softmax side: a converted layer begins close
 # to sliding-window-plus-sink attention, which alone keeps most of the teacher's quality, and learns the rest.
@@ -95,6 +98,21 @@ COMPILED_STEP_OPTIONS = {
 }
 
 
+def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make: Callable[[], Derived]) -> Derived:
+    """`make()`, kept on `owner` as `name` until a source is replaced or changed in place: a fixed transform of
+    parameters that an eager decoding step would otherwise recompute, one op per layer and token each.
+
+    The cache keeps the sources' storage alive, so a replacement cannot reuse its address unnoticed.
+    """
+    key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
+    cached = owner.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, tuple(t.detach() for t in sources), make())
+        owner.__dict__[name] = cached
+    return cached[2]
+
+
 class HedgehogFeatureMap(nn.Module):
     """Learnable per-head map; identity-initialized so phi(q).phi(k) starts as a softmax-like kernel of q.k."""
 
@@ -110,7 +128,14 @@ class HedgehogFeatureMap(nn.Module):
         init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[2] == 1 and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and x.dtype == self.weight.dtype:
+            signed = derived(self, "_signed_cache", (self.weight, self.bias), self._signed)
+            return hedgehog_step(x, *signed)
         return hedgehog(x, self.weight, self.bias)
+
+    def _signed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[W, -W] and [b, -b] for `hedgehog_step`."""
+        return torch.cat([self.weight, -self.weight], -1), torch.cat([self.bias, -self.bias], -1).unsqueeze(1)
 
 
 class LowRankGate(nn.Module):
@@ -806,7 +831,10 @@ class LinearAttention(nn.Module):
 
     def _share_normalizer(self, o: torch.Tensor, win: torch.Tensor) -> torch.Tensor:
         """GLA's undivided terms and the window's, mixed per head by sigmoid(window factor), then divided once."""
-        w = torch.sigmoid(self.window_factor).view(-1, 1, 1)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            w = torch.sigmoid(self.window_factor).view(-1, 1, 1)
+        else:
+            w = derived(self, "_mix_weight_cache", (self.window_factor,), lambda: torch.sigmoid(self.window_factor).view(-1, 1, 1))
         mix = torch.lerp(as_dtype(o, w.dtype), as_dtype(win, w.dtype), w)
         return normalize_output(mix[..., :-1], mix[..., -1:])
 

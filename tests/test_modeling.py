@@ -34,6 +34,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 import linearize.modeling.modeling_linearize as modeling_linearize
 from linearize.modeling.modeling_linearize import (
+    HedgehogFeatureMap,
     LinearAttention,
     LinearizeForCausalLM,
     ReservedDynamicLayer,
@@ -796,6 +797,36 @@ def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tm
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("batch", [1, 3])
+def test_hedgehog_step_follows_its_parameters(batch):
+    """A step's Hedgehog map (one token per row, no autograd) uses [W, -W] and [b, -b] made once: it must
+    equal `hedgehog`, and be made again when a parameter changes in place or is replaced."""
+    from linearize.kernels.feature_maps import hedgehog
+
+    torch.manual_seed(0)
+    fmap = HedgehogFeatureMap(3, 8, 8)
+    with torch.no_grad():
+        fmap.weight.normal_()
+        fmap.bias.normal_()
+    x = torch.randn(batch, 3, 1, 8)
+
+    def check() -> None:
+        with torch.no_grad():
+            torch.testing.assert_close(fmap(x), hedgehog(x, fmap.weight, fmap.bias), rtol=1e-6, atol=1e-7)
+
+    check()
+    made = fmap._signed_cache[2]
+    check()
+    assert fmap._signed_cache[2] is made  # kept while nothing changed
+    with torch.no_grad():
+        fmap.weight.mul_(2.0)
+    check()
+    fmap.bias.data = torch.randn(3, 8)
+    check()
+    with torch.inference_mode():  # as an in-place decoding step runs it
+        torch.testing.assert_close(fmap(x), hedgehog(x, fmap.weight, fmap.bias), rtol=1e-6, atol=1e-7)
+
+
 def test_a_fused_projection_left_stale_by_a_conversion_is_dropped():
     """A round trip through float64 gives the q/k/v parameters new fp32 tensors: the old fused columns,
     of the same dtype again, must not serve the next step (a changed weight shows it), and are dropped."""
