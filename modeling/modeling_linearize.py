@@ -102,8 +102,12 @@ def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make
     """`make()`, kept on `owner` as `name` until a source is replaced or changed in place: a fixed transform of
     parameters that an eager decoding step would otherwise recompute, one op per layer and token each.
 
-    The cache keeps the sources' storage alive, so a replacement cannot reuse its address unnoticed.
+    The cache keeps the sources' storage alive, so a replacement cannot reuse its address unnoticed. Inference
+    tensors (weights loaded under `torch.inference_mode`, as accelerate's offload hooks do) keep no version, so
+    what is made from them is made each call.
     """
+    if any(t.is_inference() for t in sources):
+        return make()
     key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] != key:

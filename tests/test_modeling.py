@@ -825,6 +825,11 @@ def test_hedgehog_step_follows_its_parameters(batch):
     check()
     with torch.inference_mode():  # as an in-place decoding step runs it
         torch.testing.assert_close(fmap(x), hedgehog(x, fmap.weight, fmap.bias), rtol=1e-6, atol=1e-7)
+    with torch.inference_mode():  # parameters made as accelerate's offload hooks load them: no version to key on
+        fmap.weight.data, fmap.bias.data = fmap.weight * 0.5, fmap.bias + 1.0
+        torch.testing.assert_close(fmap(x), hedgehog(x, fmap.weight, fmap.bias), rtol=1e-6, atol=1e-7)
+        fmap.weight.mul_(3.0)
+        torch.testing.assert_close(fmap(x), hedgehog(x, fmap.weight, fmap.bias), rtol=1e-6, atol=1e-7)
 
 
 def test_a_fused_projection_left_stale_by_a_conversion_is_dropped():
