@@ -414,7 +414,7 @@ def window_step_terms(
 
     q [B, H, 1, D]; k, v [B, Hkv, W, D] and the sinks' keys and values [B, Hkv, S, D] may be strided
     views of the cache: nothing is copied (the normalizer is the weights' sum, not a column of ones on
-    v). key_valid [B, W]; sink_visible [B, S], or None when every sink is visible. Each op here runs
+    v). key_valid [B, W], or None when every key is real; sink_visible [B, S], or None when every sink is visible. Each op here runs
     once per layer and token, so the scores are 3D batched matmuls over (row, KV head), a group's
     queries the rows of one matmul, and ring and sinks share one max.
     """
@@ -422,7 +422,8 @@ def window_step_terms(
     Hkv, W = k.shape[1], k.shape[2]
     q = (q * scaling).view(B * Hkv, H // Hkv, D)
     scores = step_bmm(q, k.reshape(B * Hkv, W, D).transpose(1, 2))
-    scores.view(B, -1, W).masked_fill_(~key_valid[:, None], float("-inf"))
+    if key_valid is not None:
+        scores.view(B, -1, W).masked_fill_(~key_valid[:, None], float("-inf"))
     if sinks is not None:
         S = sinks[0].shape[2]
         sink_scores = step_bmm(q, sinks[0].reshape(B * Hkv, S, D).transpose(1, 2))
@@ -870,20 +871,27 @@ class LinearAttention(nn.Module):
         cores, weights streaming between them), so the step is written for op count: the token that
         leaves the ring enters the state (updated in place) before the new token takes its slot, its
         value read where it lies (a padding token adds nothing: its key features are zeroed), and the
-        sinks are read as cached.
+        sinks are read as cached. Eager, when the token and every token in the ring are real (no padding
+        since `linearize_valid_since`, set by `LinearizeForCausalLM.forward`), no validity is read or written.
         """
         here = slice(start % self.window, start % self.window + 1)
         ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
         unrotated = self._state(cache, "window_payload") if k_feat is not k else None
-        keep = ring_valid[:, None, here, None]  # the leaving token is real (not padding)
+        all_valid = (
+            padding is None
+            and not torch.compiler.is_compiling()
+            and start - self.window >= getattr(layer, "linearize_valid_since", 0)
+        )
+        keep = None if all_valid else ring_valid[:, None, here, None]  # the leaving token is real (not padding)
         leaving = ring[:, :, 0, here] if unrotated is None else unrotated[:, :, here]
         g = self._decay(hidden_states, k)
         memory = self._state(cache, "memory")
+        leaving = self._key_features(leaving)
         o, state = gated_linear_attention(
             self._query_features(q_feat),
-            self._key_features(leaving) * keep,
+            leaving if keep is None else leaving * keep,
             ring[:, :, 1, here],
-            None if g is None else g * keep,
+            g if g is None or keep is None else g * keep,
             scale=self.scaling if self.map_name == "identity" else 1.0,
             normalize=True,
             divide=False,
@@ -893,17 +901,23 @@ class LinearAttention(nn.Module):
         if state is not memory:
             self._store(cache, "memory", state)
         ring[:, :, :, here] = torch.stack([k, v], dim=2)
-        ring_valid[:, here] = True if padding is None else padding[:, -1:].bool()
+        if not all_valid:
+            ring_valid[:, here] = True if padding is None else padding[:, -1:].bool()
         if unrotated is not None:
             unrotated[:, :, here] = k_feat
         joined = self._joined_window(layer, cache)
         if joined is not None:  # sinks and ring side by side: one product for the scores, one for the values
             kv, valid = joined
-            win, _ = window_step_terms(q, kv[:, :, 0], kv[:, :, 1], valid, self.scaling)
+            win, _ = window_step_terms(q, kv[:, :, 0], kv[:, :, 1], None if all_valid else valid, self.scaling)
         else:
             sinks = self._state(cache, "sink_kv") if self.sink else None
             win, _ = window_step_terms(
-                q, ring[:, :, 0], ring[:, :, 1], ring_valid, self.scaling, None if sinks is None else sinks.unbind(2)
+                q,
+                ring[:, :, 0],
+                ring[:, :, 1],
+                None if all_valid else ring_valid,
+                self.scaling,
+                None if sinks is None else sinks.unbind(2),
             )
         record_seen(layer, start + 1)
         return self._share_normalizer(o, win)
@@ -1471,6 +1485,8 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
                 for layer in cache.layers:  # the token's room, made outside inference mode
                     if isinstance(layer, ReservedDynamicLayer):
                         layer.reserve(1)
+        if cache is not None and attention_mask is not None and attention_mask.ndim == 2 and embeds is not None:
+            self._note_padding(cache, attention_mask, embeds.shape[1], kwargs)
         return_dict = kwargs.pop("return_dict", None)
         args = (input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep)
         if in_place:
@@ -1487,6 +1503,21 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             out = forward(*args, **kwargs)
         return out if (getattr(self.config, "return_dict", True) if return_dict is None else return_dict) else out.to_tuple()
+
+    def _note_padding(self, cache: Cache, attention_mask: torch.Tensor, tokens: int, kwargs: dict) -> None:
+        """Tell the linear layers whether the `tokens` new tokens may include padding.
+
+        On a CPU without autograd, a mask whose new tokens are all real is dropped (reading it is no
+        sync there), and the layers treat every token as real. Otherwise each linear layer's cache
+        records that real tokens start after these (`linearize_valid_since`): until the window has
+        moved past them, `LinearAttention._gla_step` reads and writes the ring's validity.
+        """
+        if not torch.is_grad_enabled() and attention_mask.device.type == "cpu" and bool(attention_mask[:, -tokens:].all()):
+            kwargs[PADDING_KWARG] = None
+            return
+        for attention in self.linear_attentions:
+            layer = cache.layers[attention.layer_idx]
+            layer.linearize_valid_since = tokens_seen(layer) + tokens
 
     def _step_writes_in_place(self, cache: Cache) -> bool:
         """Whether this decoding step can make no cache tensor: every linear layer takes `LinearAttention._gla_step`
@@ -1506,7 +1537,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         embeds = inputs_embeds if inputs_embeds is not None else input_ids
         linear = [kind == LINEAR for kind in self.config.layer_types]
         if attention_mask is not None and attention_mask.ndim == 2:
-            kwargs[PADDING_KWARG] = attention_mask
+            kwargs.setdefault(PADDING_KWARG, attention_mask)
         if cache is not None and all(linear):
             # No softmax layer needs a mask or a KV length, and the family's mask and position code would look
             # for one in the cache: positions come from the linear layers' own count, the mask is a placeholder.
