@@ -405,7 +405,7 @@ def window_step_terms(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    key_valid: torch.Tensor,
+    key_valid: torch.Tensor | None,
     scaling: float,
     sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
     sink_visible: torch.Tensor | None = None,
@@ -414,9 +414,9 @@ def window_step_terms(
 
     q [B, H, 1, D]; k, v [B, Hkv, W, D] and the sinks' keys and values [B, Hkv, S, D] may be strided
     views of the cache: nothing is copied (the normalizer is the weights' sum, not a column of ones on
-    v). key_valid [B, W], or None when every key is real; sink_visible [B, S], or None when every sink is visible. Each op here runs
-    once per layer and token, so the scores are 3D batched matmuls over (row, KV head), a group's
-    queries the rows of one matmul, and ring and sinks share one max.
+    v). key_valid [B, W], or None when every key is real; sink_visible [B, S], or None when every sink
+    is visible. Each op here runs once per layer and token, so the scores are 3D batched matmuls over
+    (row, KV head), a group's queries the rows of one matmul, and ring and sinks share one max.
     """
     B, H, _, D = q.shape
     Hkv, W = k.shape[1], k.shape[2]
