@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from accelerate import Accelerator
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -107,8 +108,6 @@ class Checkpoint:
                         tensors[f"optim.{index}.{key}"] = full(value).detach().to("cpu").contiguous()
         if not write:
             return
-        from safetensors import SafetensorError
-
         tmp = self.path.with_suffix(".tmp")
         try:
             save_file(tensors, str(tmp), metadata={"progress": json.dumps(progress)})
