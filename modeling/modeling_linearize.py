@@ -102,11 +102,12 @@ def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make
     """`make()`, kept on `owner` as `name` until a source is replaced or changed in place: a fixed transform of
     parameters that an eager decoding step would otherwise recompute, one op per layer and token each.
 
-    The cache keeps the sources' storage alive, so a replacement cannot reuse its address unnoticed. Inference
-    tensors (weights loaded under `torch.inference_mode`, as accelerate's offload hooks do) keep no version, so
-    what is made from them is made each call.
+    The cache keeps the sources' storage alive, so a replacement cannot reuse its address unnoticed. What is
+    made with autograd on (it must carry gradients), inside a compiled graph (which must not write the module)
+    or from inference tensors (weights loaded under `torch.inference_mode`, as accelerate's offload hooks do:
+    they keep no version) is made each call.
     """
-    if any(t.is_inference() for t in sources):
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(t.is_inference() for t in sources):
         return make()
     key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
     cached = owner.__dict__.get(name)
@@ -836,10 +837,7 @@ class LinearAttention(nn.Module):
 
     def _share_normalizer(self, o: torch.Tensor, win: torch.Tensor) -> torch.Tensor:
         """GLA's undivided terms and the window's, mixed per head by sigmoid(window factor), then divided once."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            w = torch.sigmoid(self.window_factor).view(-1, 1, 1)
-        else:
-            w = derived(self, "_mix_weight_cache", (self.window_factor,), lambda: torch.sigmoid(self.window_factor).view(-1, 1, 1))
+        w = derived(self, "_mix_weight_cache", (self.window_factor,), lambda: torch.sigmoid(self.window_factor).view(-1, 1, 1))
         mix = torch.lerp(as_dtype(o, w.dtype), as_dtype(win, w.dtype), w)
         return normalize_output(mix[..., :-1], mix[..., -1:])
 
@@ -877,7 +875,7 @@ class LinearAttention(nn.Module):
         here = slice(start % self.window, start % self.window + 1)
         ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
         unrotated = self._state(cache, "window_payload") if k_feat is not k else None
-        all_valid = (
+        all_valid = (  # not in a compiled graph: guards on the position would recompile it
             padding is None
             and not torch.compiler.is_compiling()
             and start - self.window >= getattr(layer, "linearize_valid_since", 0)
