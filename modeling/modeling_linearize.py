@@ -134,11 +134,11 @@ class HedgehogFeatureMap(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[2] == 1 and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and x.dtype == self.weight.dtype:
-            signed = derived(self, "_signed_cache", (self.weight, self.bias), self._signed)
+            signed = derived(self, "_signed_cache", (self.weight, self.bias), self.signed)
             return hedgehog_step(x, *signed)
         return hedgehog(x, self.weight, self.bias)
 
-    def _signed(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def signed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[W, -W] and [b, -b] for `hedgehog_step`."""
         return torch.cat([self.weight, -self.weight], -1), torch.cat([self.bias, -self.bias], -1).unsqueeze(1)
 
@@ -176,8 +176,9 @@ class LowRankGate(nn.Module):
         # logsigmoid(b) / 16 = log(decay)  =>  b = logit(decay ** 16)
         init.copy_(self.up.bias, torch.logit(decay.pow(self.normalizer)).to(self.up.bias.dtype))
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.up(self.down(hidden_states))
+    def forward(self, hidden_states: torch.Tensor, low_rank: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, heads, T, channels] log-decays; `low_rank` is down(hidden_states) where the caller made it already."""
+        logits = self.up(self.down(hidden_states) if low_rank is None else low_rank)
         g = F.logsigmoid(as_dtype(logits, torch.float32)) / self.normalizer
         g = g.clamp_min(MIN_LOG_DECAY).view(*hidden_states.shape[:2], self.heads, self.channels)
         return g.transpose(1, 2)
@@ -567,6 +568,7 @@ class LinearAttention(nn.Module):
         self.teacher_attention = False  # run the teacher's softmax instead (training's KL target, the teacher's scores)
         self.checkpoint_linear = False  # recompute the linear path in backward (inside a recomputed decoder layer)
         self.qkv_columns: torch.Tensor | None = None  # q/k/v_proj's weights as one tensor (`lay_out_projections`)
+        self.fused_parts: tuple[nn.Module, ...] = ()  # the linears whose weights are its column slices, in order
         self.joins_window = True  # sinks and ring side by side for the eager step (`join_window`)
         D = self.head_dim
         if self.map_name == "hedgehog":
@@ -629,13 +631,18 @@ class LinearAttention(nn.Module):
 
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D], k and v [B, Hkv, T, D] as the teacher computes them, q/k norms included, before RoPE."""
+        return self._project(hidden_states)[:3]
+
+    def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`project`, and the low-rank gate's first projection of the same input where the fused columns made it
+        too (else None: the gate makes it itself)."""
         B, T = hidden_states.shape[:2]
         D, family = self.head_dim, self.family
         columns = self._fused_columns(hidden_states) if family.qkv == "separate" else None
+        low_rank = None
         if columns is not None:
-            q, k, v = split_gemv(hidden_states, columns).view(B, T, -1).split(
-                [self.n_heads * D, self.n_kv_heads * D, self.n_kv_heads * D], -1
-            )
+            q, k, v, *rest = split_gemv(hidden_states, columns).view(B, T, -1).split([p.weight.shape[0] for p in self.fused_parts], -1)
+            low_rank = rest[0] if rest else None
             if self.q_proj.bias is not None:
                 q, k, v = q + self.q_proj.bias, k + self.k_proj.bias, v + self.v_proj.bias
         elif family.qkv == "separate":
@@ -649,31 +656,40 @@ class LinearAttention(nn.Module):
         q, k, v = (x.reshape(B, T, -1, D) for x in (q, k, v))
         if family.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), low_rank
 
     def lay_out_projections(self, fused: bool) -> None:
         """With `fused`, q/k/v_proj's weights become column slices of one column-major [in, q + k + v] tensor,
         `qkv_columns`, so an eager CPU decoding step projects with one split GEMV instead of three: 1.6 ms
-        off a 46 ms 3:1 step at 1K on 2 cores (each GEMV also pays to wake the threads). The parameters
-        keep their objects and values (only `.data` changes, as in `lay_out_for_cpu_decode`, which also
-        gives each its own row-major tensor back). Only plain linears on the CPU fuse."""
-        self.qkv_columns = None
+        off a 46 ms 3:1 step at 1K on 2 cores (each GEMV also pays to wake the threads). The low-rank gate's
+        first projection reads the same input, so it joins as further columns (`fused_parts` lists them all).
+        The parameters keep their objects and values (only `.data` changes, as in `lay_out_for_cpu_decode`,
+        which also gives each its own row-major tensor back). Only plain linears on the CPU fuse."""
+        self.qkv_columns, self.fused_parts = None, ()
         if not fused or self.family.qkv != "separate":
             return
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        weights = [proj.weight for proj in projections]
-        if (
-            any(type(proj) not in (nn.Linear, SplitGemvLinear) for proj in projections)
-            or any(w.device.type != "cpu" or w.dtype != weights[0].dtype or not w.is_floating_point() for w in weights)
-            or len({proj.bias is None for proj in projections}) != 1
-        ):
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if not self._fusable(parts) or len({proj.bias is None for proj in parts}) != 1:
             return
+        gate = getattr(self, "gate", None)
+        if isinstance(gate, LowRankGate) and gate.down.bias is None and self._fusable((*parts, gate.down)):
+            parts = (*parts, gate.down)
+        weights = [proj.weight for proj in parts]
         columns = torch.cat([w.detach() for w in weights], dim=0).t().contiguous()
         start = 0
         for weight in weights:
             weight.data = columns[:, start : start + weight.shape[0]].t()
             start += weight.shape[0]
-        self.qkv_columns = columns
+        self.qkv_columns, self.fused_parts = columns, parts
+
+    @staticmethod
+    def _fusable(linears: tuple[nn.Module, ...]) -> bool:
+        """Whether these are plain linears with floating-point CPU weights of one dtype."""
+        dtype = linears[0].weight.dtype
+        return all(
+            type(m) in (nn.Linear, SplitGemvLinear) and m.weight.device.type == "cpu" and m.weight.is_floating_point() and m.weight.dtype == dtype
+            for m in linears
+        )
 
     def _fused_columns(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """`qkv_columns` where `project` can use it (an eager step of few rows without autograd), else None.
@@ -682,15 +698,14 @@ class LinearAttention(nn.Module):
         columns = self.qkv_columns
         if columns is None or torch.compiler.is_compiling() or hidden_states.numel() > SPLIT_GEMV_ROWS * columns.shape[0]:
             return None
-        projections = (self.q_proj, self.k_proj, self.v_proj)
         start = columns.data_ptr()
-        for proj in projections:
+        for proj in self.fused_parts:
             if proj.weight.data_ptr() != start:
-                self.qkv_columns = None
+                self.qkv_columns, self.fused_parts = None, ()
                 return None
             start += proj.weight.shape[0] * columns.element_size()
         if hidden_states.dtype != columns.dtype or (
-            torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.weight.requires_grad for p in projections))
+            torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.weight.requires_grad for p in self.fused_parts))
         ):
             return None
         return columns
@@ -716,15 +731,30 @@ class LinearAttention(nn.Module):
             return performer_logits(k, self.performer_projection)
         return k
 
-    def _decay(self, hidden_states: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-        """Log-decay per step: [B, Hkv, T, F or 1] from the low-rank gate, [B, Hkv, T, 1] from the keys or RetNet, or None."""
+    def _step_features(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """phi(q) and phi(k) of one decoding step (`_gla_step`, no autograd). Eager, Hedgehog's two maps run as one:
+        the query heads and key heads side by side through one product and one softmax, over their signed weights
+        joined once (`derived`), where two maps take twice the ops (each op of a CPU step costs µs)."""
+        maps = (self.feature_map_q, self.feature_map_k) if self.map_name == "hedgehog" else ()
+        sources = tuple(t for m in maps for t in (m.weight, m.bias))
+        # Offloaded maps (accelerate's hooks on each module) hold their weights only inside their own forward.
+        if not maps or torch.compiler.is_compiling() or any(t.device != q.device or t.dtype != q.dtype for t in (k, *sources)):
+            return self._query_features(q), self._key_features(k)
+        weight, bias = derived(
+            self, "_paired_maps_cache", sources, lambda: tuple(torch.cat(pair) for pair in zip(maps[0].signed(), maps[1].signed()))
+        )
+        return hedgehog_step(torch.cat([q, k], dim=1), weight, bias).split([q.shape[1], k.shape[1]], dim=1)
+
+    def _decay(self, hidden_states: torch.Tensor, k: torch.Tensor, low_rank: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Log-decay per step: [B, Hkv, T, F or 1] from the low-rank gate (given its first projection, `low_rank`,
+        where `_project` made it), [B, Hkv, T, 1] from the keys or RetNet, or None."""
         gate = self.settings["gate"]
         if self.kind == "performer" or gate == "none":
             return None
         if gate == "retnet":
             B, T = hidden_states.shape[:2]
             return retnet_decay(self.n_kv_heads, k.device)[None, :, None, None].expand(B, -1, T, 1)
-        return self.gate(hidden_states) if self.gate is not None else key_gate(k)
+        return self.gate(hidden_states, low_rank) if self.gate is not None else key_gate(k)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache: Cache | None = None, **kwargs):
         """Called as the family's decoder layer calls its attention; returns (output, None): no weights to show."""
@@ -747,11 +777,11 @@ class LinearAttention(nn.Module):
     def _linear(self, hidden_states, position_embeddings, padding, cache):
         """The linear layer's own output [B, T, hidden], from projection to output projection."""
         B, T = hidden_states.shape[:2]
-        q_raw, k_raw, v = self.project(hidden_states)
+        q_raw, k_raw, v, low_rank = self._project(hidden_states)
         q, k = self.apply_rotary(q_raw, k_raw, *position_embeddings)
         if self.rope_features:
             q_raw, k_raw = q, k
-        out = self._attend(hidden_states, q, k, v, q_raw, k_raw, padding, cache)
+        out = self._attend(hidden_states, q, k, v, q_raw, k_raw, padding, cache, low_rank)
         return getattr(self, self.family.output)(as_dtype(out.transpose(1, 2).reshape(B, T, -1), hidden_states.dtype))
 
     def _softmax(self, hidden_states, position_embeddings, attention_mask, kwargs):
@@ -764,7 +794,7 @@ class LinearAttention(nn.Module):
             **kwargs,
         )
 
-    def _attend(self, hidden_states, q, k, v, q_feat, k_feat, padding, cache):
+    def _attend(self, hidden_states, q, k, v, q_feat, k_feat, padding, cache, low_rank=None):
         """The linear (+ window) attention output [B, H, T, D].
 
         q, k are RoPE'd (the softmax window and sinks use them); q_feat, k_feat are what the feature
@@ -775,8 +805,8 @@ class LinearAttention(nn.Module):
         layer = None if cache is None else cache.layers[self.layer_idx]
         start = tokens_seen(layer)
         if T == 1 and self._steps_in_place(layer, cache, start):
-            return self._gla_step(hidden_states, q, k, v, q_feat, k_feat, padding, layer, cache, start)
-        g = self._decay(hidden_states, k)
+            return self._gla_step(hidden_states, q, k, v, q_feat, k_feat, padding, layer, cache, start, low_rank)
+        g = self._decay(hidden_states, k, low_rank)
         valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding is None else padding[:, -T:].bool()
         v_feat = v
         if self.conv_size:
@@ -862,7 +892,7 @@ class LinearAttention(nn.Module):
         last_sink = getattr(layer, "linearize_last_sink", None)
         return not self.sink or (last_sink is not None and last_sink < start - self.window)
 
-    def _gla_step(self, hidden_states, q, k, v, q_feat, k_feat, padding, layer, cache, start):
+    def _gla_step(self, hidden_states, q, k, v, q_feat, k_feat, padding, layer, cache, start, low_rank=None):
         """One decoding token of a GLA layer whose window runs: what `_attend` computes, with nothing cloned.
 
         On a CPU a decoding step's small ops cost ~10 µs each against ~1 µs of math (measured on 2
@@ -882,11 +912,11 @@ class LinearAttention(nn.Module):
         )
         keep = None if all_valid else ring_valid[:, None, here, None]  # the leaving token is real (not padding)
         leaving = ring[:, :, 0, here] if unrotated is None else unrotated[:, :, here]
-        g = self._decay(hidden_states, k)
+        g = self._decay(hidden_states, k, low_rank)
         memory = self._state(cache, "memory")
-        leaving = self._key_features(leaving)
+        fq, leaving = self._step_features(q_feat, leaving)
         o, state = gated_linear_attention(
-            self._query_features(q_feat),
+            fq,
             leaving if keep is None else leaving * keep,
             ring[:, :, 1, here],
             g if g is None or keep is None else g * keep,
@@ -1129,8 +1159,51 @@ def linear_attention_class(base: type[nn.Module]) -> type[LinearAttention]:
         rotary = getattr(sys.modules[base.__module__], "apply_rotary_pos_emb", None)
         if rotary is None:
             raise ValueError(f"{base.__name__} has no apply_rotary_pos_emb beside it: its family is not supported")
+        if rotates_like_half_rotary(rotary):
+            rotary = functools.partial(half_rotary, family_rotary=rotary)
         _LINEAR_CLASSES[base] = type(f"Linear{base.__name__}", (LinearAttention, base), {"apply_rotary": staticmethod(rotary)})
     return _LINEAR_CLASSES[base]
+
+
+_ROTARY_SIGNS: dict[tuple, torch.Tensor] = {}  # per (rotary width, dtype, device): -1 on the first half, +1 on the second
+
+
+def half_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, family_rotary: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE over the whole head in the half-split layout, bit for bit what transformers' `apply_rotary_pos_emb` gives.
+
+    `rotate_half(x) * sin` is `x` rolled by half a head times sin with its first half negated (negation is
+    exact), so each of q and k takes a multiply, a roll, a multiply and an add: 11 ops in all where the
+    family's function takes 16. An eager decoding step pays several µs an op on a CPU. Partial rotary
+    (cos narrower than the head) stays the family's own.
+    """
+    width = cos.shape[-1]
+    if width != q.shape[-1] or width % 2:
+        return family_rotary(q, k, cos, sin)
+    key = (width, sin.dtype, sin.device)
+    sign = _ROTARY_SIGNS.get(key)
+    if sign is None:
+        sign = _ROTARY_SIGNS[key] = torch.cat([sin.new_full((width // 2,), -1.0), sin.new_ones(width // 2)])
+    cos, sin = cos.unsqueeze(1), (sin * sign).unsqueeze(1)
+    return q * cos + q.roll(width // 2, -1) * sin, k * cos + k.roll(width // 2, -1) * sin
+
+
+def rotates_like_half_rotary(rotary: Callable) -> bool:
+    """Whether a family's `apply_rotary_pos_emb` gives exactly `half_rotary`'s result on a full-width rotation, in
+    fp32 and bf16 (checked once per family on random numbers; another layout, or arithmetic in another dtype,
+    keeps the family's function)."""
+    gen = torch.Generator().manual_seed(0)  # on the CPU even where the model is built on the meta device
+    q, k = torch.randn(2, 3, 5, 8, generator=gen, device="cpu"), torch.randn(2, 1, 5, 8, generator=gen, device="cpu")
+    angles = torch.randn(2, 5, 4, generator=gen, device="cpu").repeat(1, 1, 2)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [x.to(dtype) for x in (q, k, angles.cos(), angles.sin())]
+        try:
+            theirs = rotary(*args)
+        except (TypeError, ValueError, RuntimeError):  # a signature or layout of its own
+            return False
+        ours = half_rotary(*args, family_rotary=rotary)
+        if not all(isinstance(t, torch.Tensor) and t.dtype == o.dtype and torch.equal(t, o) for t, o in zip(theirs, ours)):
+            return False
+    return True
 
 
 class ReservedDynamicLayer(DynamicLayer):

@@ -7,6 +7,7 @@ on one CPU thread; the embedded 135M model is only used by test_export.py and te
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 
@@ -796,13 +797,17 @@ def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tm
     projections = [linear.q_proj, linear.k_proj, linear.v_proj]
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
     assert model.cpu_decode_layout and large and calls
-    assert all(type(m) is SplitGemvLinear and m.weight.t().is_contiguous() for m in large if m not in projections)
-    # The linear layer's q/k/v weights are column slices of one column-major tensor: one product a step.
+    assert all(type(m) is SplitGemvLinear and m.weight.t().is_contiguous() for m in large if m not in linear.fused_parts)
+    # The linear layer's q/k/v weights and its gate's first projection are column slices of one column-major
+    # tensor: one product a step.
     columns = linear.qkv_columns
     assert columns is not None and columns.is_contiguous()
-    assert torch.equal(columns.t(), torch.cat([before[f"model.layers.0.self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")]))
-    offsets = [proj.weight.data_ptr() - columns.data_ptr() for proj in projections]
-    assert offsets == [0, linear.q_proj.out_features * 4, (linear.q_proj.out_features + linear.k_proj.out_features) * 4]
+    assert linear.fused_parts == (*projections, linear.gate.down)
+    names = ("q_proj", "k_proj", "v_proj", "gate.down")
+    assert torch.equal(columns.t(), torch.cat([before[f"model.layers.0.self_attn.{n}.weight"] for n in names]))
+    offsets = [proj.weight.data_ptr() - columns.data_ptr() for proj in linear.fused_parts]
+    widths = [proj.out_features for proj in linear.fused_parts]
+    assert offsets == [4 * sum(widths[:i]) for i in range(len(widths))]
     assert {name: p for name, p in model.named_parameters()} == before, "the same parameter objects"
     assert model.lm_head.weight is model.model.embed_tokens.weight
     model.save_pretrained(tmp_path)
@@ -851,6 +856,65 @@ def test_hedgehog_step_follows_its_parameters(batch):
         torch.testing.assert_close(fmap(x), hedgehog(x, fmap.weight, fmap.bias), rtol=1e-6, atol=1e-7)
         fmap.weight.mul_(3.0)
         torch.testing.assert_close(fmap(x), hedgehog(x, fmap.weight, fmap.bias), rtol=1e-6, atol=1e-7)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_steps_paired_hedgehog_maps_equal_the_two_maps(batch):
+    """A decoding step runs phi(q) and phi(k) as one product over both maps' signed weights, joined once:
+    it must equal the two maps apart, and follow a change to either."""
+    model = make_model([LIN, FULL], {"window": 4, "chunk_size": 16})
+    linear = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(batch, linear.n_heads, 1, linear.head_dim, generator=gen)
+    k = torch.randn(batch, linear.n_kv_heads, 1, linear.head_dim, generator=gen)
+
+    def check() -> None:
+        fq, fk = linear._step_features(q, k)
+        torch.testing.assert_close(fq, linear.feature_map_q(q), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(fk, linear.feature_map_k(k), rtol=1e-6, atol=1e-7)
+
+    check()
+    made = linear._paired_maps_cache[2]
+    check()
+    assert linear._paired_maps_cache[2] is made
+    linear.feature_map_k.weight.mul_(2.0)
+    check()
+    linear.feature_map_q.bias.data = torch.randn_like(linear.feature_map_q.bias)
+    check()
+    linear.feature_map_k.to(torch.float64)  # maps of another dtype (or on another device, offloaded) run apart
+    made = linear._paired_maps_cache[2]
+    check()
+    assert linear._paired_maps_cache[2] is made
+
+
+def test_rotary_takes_the_half_split_form_only_where_it_is_exact():
+    """Every supported family's `apply_rotary_pos_emb` gives exactly `half_rotary`'s result, in fp32 and bf16;
+    a function that computes in another dtype keeps its own; partial rotary goes to the family's function."""
+    import importlib
+
+    from linearize.modeling.families import FAMILIES
+
+    for family in FAMILIES:
+        module = importlib.import_module(f"transformers.models.{family.removesuffix('_text')}.modeling_{family.removesuffix('_text')}")
+        assert modeling_linearize.rotates_like_half_rotary(module.apply_rotary_pos_emb), family
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    def upcast(q, k, cos, sin):
+        out = apply_rotary_pos_emb(q.float(), k.float(), cos.float(), sin.float())
+        return out[0].to(q.dtype), out[1].to(k.dtype)
+
+    assert not modeling_linearize.rotates_like_half_rotary(upcast)
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 4, 5, 16, generator=gen), torch.randn(2, 2, 5, 16, generator=gen)
+    angles = torch.randn(2, 5, 8, generator=gen).repeat(1, 1, 2)
+    linear = make_model([LIN, FULL], {"window": 4, "chunk_size": 16}).model.layers[0].self_attn
+    got, want = linear.apply_rotary(q, k, angles.cos(), angles.sin()), apply_rotary_pos_emb(q, k, angles.cos(), angles.sin())
+    assert linear.apply_rotary.func is modeling_linearize.half_rotary and all(map(torch.equal, got, want))
+    calls = []
+    rotary = functools.partial(modeling_linearize.half_rotary, family_rotary=lambda *args: calls.append(args) or args[:2])
+    rotary(q, k, angles.cos()[..., :8], angles.sin()[..., :8])  # narrower than the head: the family's own
+    assert len(calls) == 1
 
 
 def test_a_fused_projection_left_stale_by_a_conversion_is_dropped():
