@@ -669,27 +669,12 @@ class LinearAttention(nn.Module):
         if not fused or self.family.qkv != "separate":
             return
         parts = (self.q_proj, self.k_proj, self.v_proj)
-        if not self._fusable(parts) or len({proj.bias is None for proj in parts}) != 1:
+        if not fusable(parts) or len({proj.bias is None for proj in parts}) != 1:
             return
         gate = getattr(self, "gate", None)
-        if isinstance(gate, LowRankGate) and gate.down.bias is None and self._fusable((*parts, gate.down)):
+        if isinstance(gate, LowRankGate) and gate.down.bias is None and fusable((*parts, gate.down)):
             parts = (*parts, gate.down)
-        weights = [proj.weight for proj in parts]
-        columns = torch.cat([w.detach() for w in weights], dim=0).t().contiguous()
-        start = 0
-        for weight in weights:
-            weight.data = columns[:, start : start + weight.shape[0]].t()
-            start += weight.shape[0]
-        self.qkv_columns, self.fused_parts = columns, parts
-
-    @staticmethod
-    def _fusable(linears: tuple[nn.Module, ...]) -> bool:
-        """Whether these are plain linears with floating-point CPU weights of one dtype."""
-        dtype = linears[0].weight.dtype
-        return all(
-            type(m) in (nn.Linear, SplitGemvLinear) and m.weight.device.type == "cpu" and m.weight.is_floating_point() and m.weight.dtype == dtype
-            for m in linears
-        )
+        self.qkv_columns, self.fused_parts = fuse_columns(parts), parts
 
     def _fused_columns(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """`qkv_columns` where `project` can use it (an eager step of few rows without autograd), else None.
@@ -698,12 +683,9 @@ class LinearAttention(nn.Module):
         columns = self.qkv_columns
         if columns is None or torch.compiler.is_compiling() or hidden_states.numel() > SPLIT_GEMV_ROWS * columns.shape[0]:
             return None
-        start = columns.data_ptr()
-        for proj in self.fused_parts:
-            if proj.weight.data_ptr() != start:
-                self.qkv_columns, self.fused_parts = None, ()
-                return None
-            start += proj.weight.shape[0] * columns.element_size()
+        if not still_fused(columns, self.fused_parts):
+            self.qkv_columns, self.fused_parts = None, ()
+            return None
         if hidden_states.dtype != columns.dtype or (
             torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.weight.requires_grad for p in self.fused_parts))
         ):
@@ -1326,6 +1308,89 @@ class SplitGemvLinear(nn.Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def fusable(linears: tuple[nn.Module, ...]) -> bool:
+    """Whether these are plain linears with floating-point CPU weights of one dtype (`fuse_columns` can join them)."""
+    dtype = linears[0].weight.dtype
+    return all(
+        type(m) in (nn.Linear, SplitGemvLinear) and m.weight.device.type == "cpu" and m.weight.is_floating_point() and m.weight.dtype == dtype
+        for m in linears
+    )
+
+
+def fuse_columns(linears: tuple[nn.Module, ...]) -> torch.Tensor:
+    """One column-major [in, sum of outs] tensor whose column slices become the weights of `linears` (`fusable`
+    ones reading one input), so a decoding step's `split_gemv` over it replaces one product each. Values and
+    parameter objects are unchanged (only `.data`); `lay_out_for_cpu_decode` gives each its own tensor back."""
+    weights = [m.weight for m in linears]
+    columns = torch.cat([w.detach() for w in weights], dim=0).t().contiguous()
+    start = 0
+    for weight in weights:
+        weight.data = columns[:, start : start + weight.shape[0]].t()
+        start += weight.shape[0]
+    return columns
+
+
+def still_fused(columns: torch.Tensor, linears: tuple[nn.Module, ...]) -> bool:
+    """Whether the weights of `linears` are still `columns`' slices, in order (a `.to()` or a load replaces them)."""
+    start = columns.data_ptr()
+    for m in linears:
+        if m.weight.data_ptr() != start:
+            return False
+        start += m.weight.shape[0] * columns.element_size()
+    return True
+
+
+class GateUpMLP(nn.Module):
+    """The family's gated MLP, down(act(gate(x)) * up(x)), whose eager CPU decoding step (few rows, no autograd)
+    computes gate and up as one split GEMV over their weights side by side (`gate_up_columns`, laid out by
+    `lay_out_for_cpu_decode`): one product a layer fewer, each costing tens of µs beyond its bytes on a
+    CPU. Anything else, and every family whose MLP is not that formula, runs the family's forward."""
+
+    gate_up_columns: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        columns = self.gate_up_columns
+        parts = (self.gate_proj, self.up_proj)
+        if (
+            columns is None
+            or torch.compiler.is_compiling()
+            or x.numel() > SPLIT_GEMV_ROWS * columns.shape[0]
+            or x.dtype != columns.dtype
+            or (torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in parts)))
+        ):
+            return super().forward(x)
+        if not still_fused(columns, parts):
+            self.gate_up_columns = None
+            return super().forward(x)
+        gate, up = split_gemv(x, columns).view(*x.shape[:-1], -1).chunk(2, dim=-1)
+        if self.gate_proj.bias is not None:
+            gate, up = gate + self.gate_proj.bias, up + self.up_proj.bias
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+_GATE_UP_CLASSES: dict[type, type | None] = {}
+
+
+@torch.no_grad()
+def gate_up_mlp_class(mlp: nn.Module) -> type | None:
+    """`GateUpMLP` over this MLP's class where the class computes exactly down(act(gate(x)) * up(x)) (checked once
+    per class, on this module and a random row), else None."""
+    base = type(mlp)
+    gate, up, down = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+    if not (
+        isinstance(down, nn.Linear) and callable(getattr(mlp, "act_fn", None)) and isinstance(gate, nn.Linear) and isinstance(up, nn.Linear)
+        and fusable((gate, up)) and (gate.bias is None) == (up.bias is None)
+    ):
+        return None  # not this layout, or not fusable as placed (offloaded, quantized): no verdict on the class
+    if issubclass(base, GateUpMLP):
+        return base
+    if base not in _GATE_UP_CLASSES:
+        x = torch.randn(1, 1, gate.in_features, generator=torch.Generator().manual_seed(0), device="cpu").to(gate.weight.dtype)
+        exact = torch.equal(base.forward(mlp, x), down(mlp.act_fn(gate(x)) * up(x)))
+        _GATE_UP_CLASSES[base] = type(f"GateUp{base.__name__}", (GateUpMLP, base), {}) if exact else None
+    return _GATE_UP_CLASSES[base]
+
+
 def lay_out_for_cpu_decode(model: nn.Module, column_major: bool, smallest: int | None = None) -> None:
     """Make the CPU linear layers of `smallest` (default SPLIT_GEMV_MIN) elements or more `SplitGemvLinear`s,
     their weights column-major (eager decoding) or row-major.
@@ -1350,6 +1415,11 @@ def lay_out_for_cpu_decode(model: nn.Module, column_major: bool, smallest: int |
     for module in model.modules():
         if isinstance(module, LinearAttention):
             module.lay_out_projections(fused=column_major)
+        elif isinstance(module, GateUpMLP) and not column_major:
+            module.gate_up_columns = None
+        elif column_major and (gated := gate_up_mlp_class(module)) is not None:
+            module.__class__ = gated
+            module.gate_up_columns = fuse_columns((module.gate_proj, module.up_proj))
 
 
 def split_decode_attention(
