@@ -1393,7 +1393,9 @@ def gate_up_mlp_class(mlp: nn.Module) -> type | None:
 
 def lay_out_for_cpu_decode(model: nn.Module, column_major: bool, smallest: int | None = None) -> None:
     """Make the CPU linear layers of `smallest` (default SPLIT_GEMV_MIN) elements or more `SplitGemvLinear`s,
-    their weights column-major (eager decoding) or row-major.
+    their weights column-major (eager decoding) or row-major. Column-major, the weights that read one input
+    are also joined into one tensor: a linear layer's projections (`LinearAttention.lay_out_projections`)
+    and a gated MLP's gate and up (`GateUpMLP`); row-major, each has its own tensor again.
 
     Values, parameter objects and tying are unchanged (only `.data` is replaced), so optimizers and
     tied heads keep working; saving wants row-major tensors, so `save_pretrained` puts them back.
