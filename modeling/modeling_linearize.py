@@ -681,14 +681,10 @@ class LinearAttention(nn.Module):
         Once the parameters are no longer its slices (a `.to()` or a load replaced their tensors) it is stale,
         and dropped."""
         columns = self.qkv_columns
-        if columns is None or torch.compiler.is_compiling() or hidden_states.numel() > SPLIT_GEMV_ROWS * columns.shape[0]:
+        if columns is None or not columns_serve(columns, self.fused_parts, hidden_states):
             return None
         if not still_fused(columns, self.fused_parts):
             self.qkv_columns, self.fused_parts = None, ()
-            return None
-        if hidden_states.dtype != columns.dtype or (
-            torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.weight.requires_grad for p in self.fused_parts))
-        ):
             return None
         return columns
 
@@ -1330,6 +1326,17 @@ def fuse_columns(linears: tuple[nn.Module, ...]) -> torch.Tensor:
     return columns
 
 
+def columns_serve(columns: torch.Tensor, linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
+    """Whether a product over `columns` may stand in for `linears` on input x: an eager step of few rows in the
+    columns' dtype, without autograd (inside a compiled graph the weights are row-major and fuse there)."""
+    return not (
+        torch.compiler.is_compiling()
+        or x.numel() > SPLIT_GEMV_ROWS * columns.shape[0]
+        or x.dtype != columns.dtype
+        or (torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears)))
+    )
+
+
 def still_fused(columns: torch.Tensor, linears: tuple[nn.Module, ...]) -> bool:
     """Whether the weights of `linears` are still `columns`' slices, in order (a `.to()` or a load replaces them)."""
     start = columns.data_ptr()
@@ -1351,13 +1358,7 @@ class GateUpMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         columns = self.gate_up_columns
         parts = (self.gate_proj, self.up_proj)
-        if (
-            columns is None
-            or torch.compiler.is_compiling()
-            or x.numel() > SPLIT_GEMV_ROWS * columns.shape[0]
-            or x.dtype != columns.dtype
-            or (torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in parts)))
-        ):
+        if columns is None or not columns_serve(columns, parts, x):
             return super().forward(x)
         if not still_fused(columns, parts):
             self.gate_up_columns = None
@@ -1377,10 +1378,8 @@ def gate_up_mlp_class(mlp: nn.Module) -> type | None:
     per class, on this module and a random row), else None."""
     base = type(mlp)
     gate, up, down = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
-    if not (
-        isinstance(down, nn.Linear) and callable(getattr(mlp, "act_fn", None)) and isinstance(gate, nn.Linear) and isinstance(up, nn.Linear)
-        and fusable((gate, up)) and (gate.bias is None) == (up.bias is None)
-    ):
+    linears = all(isinstance(m, nn.Linear) for m in (gate, up, down))
+    if not (linears and callable(getattr(mlp, "act_fn", None)) and fusable((gate, up)) and (gate.bias is None) == (up.bias is None)):
         return None  # not this layout, or not fusable as placed (offloaded, quantized): no verdict on the class
     if issubclass(base, GateUpMLP):
         return base
