@@ -19,8 +19,9 @@ from transformers import PretrainedConfig
 from ..modeling.families import text_config
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's distinct parameters and buffers (tied and shared tensors counted once)."""
+def weight_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the model's distinct parameters and buffers (tied and shared tensors counted once), with
+    floating-point ones counted in `dtype` where given (the size after a cast)."""
     seen: set[tuple[int, int]] = set()
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:
@@ -28,7 +29,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
         key = (id(tensor), 0) if tensor.is_meta else (tensor.data_ptr(), tensor.numel())
         if key not in seen:
             seen.add(key)
-            total += tensor.numel() * tensor.element_size()
+            size = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+            total += tensor.numel() * size
     return total
 
 

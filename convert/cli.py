@@ -279,7 +279,7 @@ def convert_main(argv: list[str]) -> int:
     if args.dry_run:
         from .budget import dry_run
 
-        check_inputs(recipe.model, recipe, None, args.overwrite)
+        check_inputs(recipe.model, recipe, None, args.overwrite, accelerator.device)
         if main:
             _render_dry_run(dry_run(recipe, accelerator.device), console)
         return 0

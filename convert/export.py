@@ -16,7 +16,6 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..modeling.modeling_linearize import LinearizeForCausalLM
@@ -51,13 +50,13 @@ def check_output(path: Path, overwrite: bool) -> None:
         raise FileExistsError(f"output {str(path)!r} already exists: pass --overwrite or choose another --output")
 
 
-def check_space(output: Path, model: torch.nn.Module) -> None:
-    """Refuse an export the disk cannot hold, before writing: a full disk fails inside the serializer
-    instead, with an I/O error that names neither the cause's size nor the fix."""
+def check_space(output: Path, weights: int) -> None:
+    """Refuse an export of `weights` bytes the disk cannot hold, before writing: a full disk fails inside
+    the serializer instead, with an I/O error that names neither the cause's size nor the fix."""
     ancestor = output.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
-    needed, free = weight_bytes(model) + EXPORT_EXTRA_BYTES, shutil.disk_usage(ancestor).free
+    needed, free = weights + EXPORT_EXTRA_BYTES, shutil.disk_usage(ancestor).free
     if needed > free:
         raise OSError(
             f"the export needs about {needed / 2**30:.2f} GiB and {str(ancestor)!r} has {free / 2**30:.2f} GiB free: "
@@ -86,7 +85,7 @@ def export(
     """Write the student to `output` atomically and return the folder; `extras` adds files to the staging folder."""
     output = Path(output).expanduser().resolve()
     check_output(output, overwrite)
-    check_space(output, model)
+    check_space(output, weight_bytes(model))
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.staging-"))
     try:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..modeling.configuration_linearize import LINEAR
 from ..modeling.families import text_config
@@ -268,11 +268,22 @@ def check_output_writable(output: Path, overwrite: bool) -> None:
         raise PermissionError(f"cannot write --output {str(output)!r} ({str(ancestor)!r}: {reason}): choose another --output") from None
 
 
-def check_inputs(teacher: PreTrainedModel | str, recipe: Recipe, output: Path | None, overwrite: bool) -> None:
+def loaded_weight_bytes(teacher: PreTrainedModel | str, config: PretrainedConfig, recipe: Recipe, device: torch.device) -> int:
+    """Bytes the teacher's weights take once `load_teacher` has them, known before it runs: the export's bulk."""
+    if isinstance(teacher, str):
+        return parameter_count(config) * recipe.torch_dtype(device).itemsize
+    if recipe.dtype == "auto":
+        return weight_bytes(teacher)
+    return weight_bytes(teacher, recipe.torch_dtype(device))
+
+
+def check_inputs(
+    teacher: PreTrainedModel | str, recipe: Recipe, output: Path | None, overwrite: bool, device: torch.device
+) -> None:
     """Stage 0: refuse, in one line naming the fix, anything that would fail later; nothing loads or is written.
 
     The recipe checked its own values when parsed; here it meets the model's config (family, layer
-    indices) and the files (weights readable, output writable).
+    indices, the export's size against the output's disk) and the files (weights readable, output writable).
     """
     if output is not None:
         check_output_writable(output, overwrite)
@@ -292,6 +303,8 @@ def check_inputs(teacher: PreTrainedModel | str, recipe: Recipe, output: Path | 
     layers = recipe.layers
     placement = "spread" if layers.placement in SCORED else layers.placement  # the scores come later
     plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax)
+    if output is not None:
+        check_space(output, loaded_weight_bytes(teacher, config, recipe, device))  # the student keeps these and adds a few
 
 
 def load_teacher(
@@ -471,11 +484,9 @@ def convert(
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(recipe.seed)
     output = None if output is None else Path(output).expanduser().resolve()
-    check_inputs(teacher, recipe, output, overwrite)
+    check_inputs(teacher, recipe, output, overwrite, accelerator.device)
     by_spec = isinstance(teacher, str)
     teacher, tokenizer, spec, resolved = load_teacher(teacher, tokenizer, recipe, accelerator)
-    if output is not None and accelerator.is_main_process:
-        check_space(output, teacher)  # the export is the teacher's weights and a few new ones: fail before training
     work = open_work_dir(output, work_dir, recipe, spec, overwrite, accelerator)
     own_model = by_spec and _spec(recipe.model) == spec  # a model in memory cannot be told apart: it is measured
     shard = sharding_requested(shard)

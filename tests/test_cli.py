@@ -396,19 +396,19 @@ def test_corrupt_checkpoint_names_the_file(cli, tiny_llama_dir, tmp_path, monkey
     assert not (tmp_path / "out").exists()
 
 
-def test_a_disk_too_small_for_the_export_is_refused_before_training(cli, tiny_llama_dir, tmp_path, monkeypatch):
+def test_a_disk_too_small_for_the_export_is_refused_before_the_teacher_loads(cli, tiny_llama_dir, tmp_path, monkeypatch):
     import shutil
 
-    from linearize.convert import train
+    from linearize.convert import pipeline
 
     monkeypatch.chdir(tmp_path)
     usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=10**5) if Path(path) == tmp_path else usage(path))
 
-    def training(*args, **kwargs):
-        raise AssertionError("training started on a disk that cannot hold the export")
+    def loading(*args, **kwargs):
+        raise AssertionError("the teacher loaded for an export the disk cannot hold")
 
-    monkeypatch.setattr(train, "run_loop", training)
+    monkeypatch.setattr(pipeline, "load_model", loading)
     code, _, err = cli(
         "--model", tiny_llama_dir, "--output", "out", "--quiet", "--no-measure",
         "--transfer-tokens", "128", "--finetune-tokens", "0", *TINY_ARGS,

@@ -155,6 +155,26 @@ def test_weight_bytes_counts_fused_projection_slices_apart(tiny_student):
     assert weight_bytes(tiny_student) == expected
 
 
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_the_export_is_sized_before_the_teacher_loads(tiny_llama_dir, dtype):
+    """The disk check runs before loading, on sizes that must equal what the loaded teacher then holds."""
+    from linearize.convert.pipeline import load_teacher, loaded_weight_bytes
+    from linearize.convert.recipes import generic_recipe
+    from linearize.convert.sources import load_config
+
+    recipe = generic_recipe(str(tiny_llama_dir), 10**6, accelerated=False)
+    recipe.dtype = dtype
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"))
+    estimate = loaded_weight_bytes(str(tiny_llama_dir), load_config(str(tiny_llama_dir)), recipe, accelerator.device)
+    teacher, tokenizer, _, _ = load_teacher(str(tiny_llama_dir), None, recipe, accelerator)
+    parameters = weight_bytes(teacher) - sum(b.numel() * b.element_size() for b in teacher.buffers())
+    assert estimate == parameters
+    in_memory = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    assert loaded_weight_bytes(in_memory, in_memory.config, recipe, accelerator.device) == weight_bytes(
+        load_teacher(in_memory, tokenizer, recipe, accelerator)[0]
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # the real thing: embedded SmolLM2-135M, layers 0-2 GLA
 
