@@ -4,11 +4,15 @@ Same math, shapes and GQA rule as `gla_torch` (head-first q [B, HQ, T, K], k [B,
 v [B, H, T, V], g [B, H, T, K] or [B, H, T, 1] log-decay <= 0 or None, state [B, H, K, V] fp32).
 
 Numerics: decays are summed within a chunk only (`gc`, chunk-local cumulative log-decay), and every
-exponential the kernels take is of a non-positive number, so nothing overflows whatever the decay:
+exponential the kernels take is of a non-positive number or a bounded one, so nothing overflows whatever the decay:
 - across chunks the state is carried with exp(gc_last) and keys are weighted by exp(gc_last - gc);
 - inside a chunk, 16-token sub-chunks meet through a reference point (the first row of the query
   sub-chunk forward, the last row of the key sub-chunk backward) that lies between both factors;
-- on the diagonal 16x16 blocks the exponent gc_i - gc_j is formed per pair, masked before exp.
+- a diagonal 16x16 block meets through its own first row f as well, q_i exp(gc_i - gc_f) . k_j exp(gc_f - gc_j),
+  one dot (fp32-accurate, as the per-pair sums were) masked to i >= j, where BC elementwise passes would take
+  the pairs one key at a time. The key factor is exp of a non-negative number, at most the decay the block
+  spans (gc_f - gc_last, per key channel); above DIAG_SPAN it could overflow, so such a block (per key tile)
+  forms the exponent gc_i - gc_j per pair instead, masked before exp.
 Unlike the PyTorch chunked form this needs no MIN_LOG_DECAY precondition.
 
 Precision: matmul operands are bf16 when the inputs are bf16 (tensor cores, fp32 accumulation), fp32
@@ -55,6 +59,8 @@ except ImportError:
     raise
 
 SUB_CHUNK = 16
+DIAG_SPAN = 60.0  # the widest decay (log-decay summed over a diagonal block's rows, per key channel) whose block is
+# one dot (module docstring): its key factor reaches exp(60) ~ 1e26, leaving fp32 room for keys up to ~1e12
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -304,10 +310,12 @@ def _intra_scores_kernel(
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, NC: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
-    PREC32: tl.constexpr,
+    PREC32: tl.constexpr, SPAN: tl.constexpr,
 ):
     """One BC x BC block on or below the diagonal of the in-chunk score matrix A[i, j] = scale q_i.(k_j exp(gc_i
-    - gc_j)), the NC (NC + 1) / 2 of them numbered row by row; a diagonal block also zeroes the rest of its rows."""
+    - gc_j)), the NC (NC + 1) / 2 of them numbered row by row; a diagonal block also zeroes the rest of its rows.
+    A diagonal block whose decay spans at most SPAN over its rows (per key tile) is one masked dot through its
+    first row, in fp32-accurate precision; a wider span runs pair by pair (module docstring)."""
     i_n, i_c, i_bhq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_i = i_c * 0
     for r in tl.static_range(1, NC):
@@ -338,24 +346,32 @@ def _intra_scores_kernel(
                 b_k *= tl.exp(g_ref[None, :] - g_k)
             acc = tl.dot(b_q, tl.trans(b_k), acc, input_precision=PREC32)
     else:
+        causal = (loc[:, None] >= loc[None, :]) & m_r[:, None]
         for i_k in range(tl.cdiv(K, BK)):
             ck = i_k * BK + tl.arange(0, BK)
             m_k = ck < K
-            b_q = tl.load(q + bhq * T * K + rows[:, None] * K + ck[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+            m_rk = m_r[:, None] & m_k[None, :]
+            b_q = tl.load(q + bhq * T * K + rows[:, None] * K + ck[None, :], mask=m_rk, other=0.0)
             b_q = b_q.to(tl.float32)
+            b_k = tl.load(k + bh * T * K + rows[:, None] * K + ck[None, :], mask=m_rk, other=0.0).to(tl.float32)
             if USE_G:
-                g_q = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_r[:, None] & m_k[None, :], other=0.0)
-            for c in range(BC):
-                key = col0 + c
-                b_kr = tl.load(k + bh * T * K + key * K + ck, mask=_and_scalar(m_k, key < T), other=0.0).to(tl.float32)
-                sel = (loc >= c) & m_r
-                if USE_G:
-                    g_kr = tl.load(gc + bh * T * GK + key * GK + ck * GS, mask=_and_scalar(m_k, key < T), other=0.0)
-                    w = _masked_exp(g_q - g_kr[None, :], sel[:, None])
-                    s = tl.sum(b_q * b_kr[None, :] * w, axis=1)
+                g_q = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_rk, other=0.0)
+                g_first = tl.load(gc + bh * T * GK + row0 * GK + ck * GS, mask=m_k, other=0.0)
+                g_last = tl.load(gc + bh * T * GK + (tl.minimum(row0 + BC, T) - 1) * GK + ck * GS, mask=m_k, other=0.0)
+                if tl.max(g_first - g_last, axis=0) <= SPAN:  # narrow: through the first row (module docstring)
+                    b_q *= _masked_exp(g_q - g_first[None, :], m_r[:, None])
+                    b_k *= _masked_exp(g_first[None, :] - g_q, m_r[:, None])
+                    acc += tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=EXACT_FP32_DOT), 0.0)
                 else:
-                    s = tl.where(sel, tl.sum(b_q * b_kr[None, :], axis=1), 0.0)
-                acc += tl.where(loc[None, :] == c, s[:, None], 0.0)
+                    for c in range(BC):
+                        key = col0 + c
+                        b_kr = tl.load(k + bh * T * K + key * K + ck, mask=_and_scalar(m_k, key < T), other=0.0).to(tl.float32)
+                        g_kr = tl.load(gc + bh * T * GK + key * GK + ck * GS, mask=_and_scalar(m_k, key < T), other=0.0)
+                        w = _masked_exp(g_q - g_kr[None, :], ((loc >= c) & m_r)[:, None])
+                        s = tl.sum(b_q * b_kr[None, :] * w, axis=1)
+                        acc += tl.where(loc[None, :] == c, s[:, None], 0.0)
+            else:
+                acc += tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=EXACT_FP32_DOT), 0.0)
         later = tl.arange(0, BT)
         zeros = tl.zeros([BC, BT], dtype=tl.float32)
         tl.store(A + bhq * T * BT + rows[:, None] * BT + later[None, :], zeros, mask=m_r[:, None] & (later >= row0 - i_n * BT + BC)[None, :])
@@ -532,14 +548,27 @@ def _bwd_dv_kernel(
 
 
 @triton.jit
+def _diagonal_dot(dA, x, abase, xbase, rows, diagonal, ck, m_rk, causal, w, acc, BT: tl.constexpr, K: tl.constexpr,
+                  TRANSPOSE: tl.constexpr):
+    """acc + dA's diagonal block (its transpose with TRANSPOSE) @ (x's block rows * w), fp32-accurate: a diagonal
+    block's part of dq (of dk) through its first row, loaded here so that nothing of it stays live elsewhere."""
+    b_da = tl.load(dA + abase + rows[:, None] * BT + diagonal[None, :], mask=causal, other=0.0)
+    b_x = tl.load(x + xbase + rows[:, None] * K + ck[None, :], mask=m_rk, other=0.0).to(tl.float32) * w
+    if TRANSPOSE:
+        b_da = tl.trans(b_da)
+    return tl.dot(b_da, b_x, acc, input_precision=EXACT_FP32_DOT)
+
+
+@triton.jit
 def _bwd_intra_kernel(
     q, k, gc, dA, dqi, dki, scale, T,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, NC: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr, GS: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
-    PREC32: tl.constexpr,
+    PREC32: tl.constexpr, SPAN: tl.constexpr,
 ):
-    """In-chunk parts of dq (per query head) and dk (summed over the group) for one 16-row sub-chunk."""
+    """In-chunk parts of dq (per query head) and dk (summed over the group) for one 16-row sub-chunk; its
+    diagonal block as a dot through the first row where the decay spans at most SPAN, as in the forward."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_i = i_c // NC, i_c % NC
     bh = i_bh.to(tl.int64)
@@ -554,11 +583,13 @@ def _bwd_intra_kernel(
     m_k = ck < K
     m_rk = m_r[:, None] & m_k[None, :]
     kbase = bh * T * K
+    causal = (loc[:, None] >= loc[None, :]) & m_r[:, None]
     if USE_G:
         g_i = tl.load(gc + bh * T * GK + rows[:, None] * GK + ck[None, :] * GS, mask=m_rk, other=0.0)
         g_first = tl.load(gc + bh * T * GK + row0 * GK + ck * GS, mask=m_k, other=0.0)
         g_lastrow = tl.load(gc + bh * T * GK + (tl.minimum(row0 + BC, T) - 1) * GK + ck * GS, mask=m_k, other=0.0)
-    dk = tl.zeros([BC, BK], dtype=tl.float32)
+        narrow = tl.max(g_first - g_lastrow, axis=0) <= SPAN  # the diagonal block through its first row
+    dk = tl.zeros([BC, BK], dtype=tl.float32)  # narrow: the diagonal's part still lacks exp(gc_first - gc_j)
     dk_later = tl.zeros([BC, BK], dtype=tl.float32)
     for i_g in range(G):
         hq = b * H * G + h * G + i_g
@@ -574,20 +605,24 @@ def _bwd_intra_kernel(
                 b_k *= tl.exp(g_first[None, :] - g_k)
             b_da = tl.load(dA + abase + rows[:, None] * BT + (j * BC + loc)[None, :], mask=m_r[:, None], other=0.0)
             dq = tl.dot(b_da, b_k, dq, input_precision=PREC32)
+        # dq from the diagonal block: through the same first row, or pair by pair.
+        diagonal = i_i * BC + loc
         if USE_G:
-            dq *= _masked_exp(g_i - g_first[None, :], m_r[:, None])
-        # dq from the diagonal block, pair by pair.
-        for c in range(BC):
-            key = row0 + c
-            m_key = key < T
-            b_dac = tl.load(dA + abase + rows * BT + i_i * BC + c, mask=m_r, other=0.0)
-            b_kr = tl.load(k + kbase + key * K + ck, mask=_and_scalar(m_k, m_key), other=0.0).to(tl.float32)
-            sel = (loc >= c) & m_r
-            if USE_G:
-                g_kr = tl.load(gc + bh * T * GK + key * GK + ck * GS, mask=_and_scalar(m_k, m_key), other=0.0)
-                dq += b_dac[:, None] * b_kr[None, :] * _masked_exp(g_i - g_kr[None, :], sel[:, None])
+            if narrow:
+                k_w = _masked_exp(g_first[None, :] - g_i, m_r[:, None])
+                dq = _diagonal_dot(dA, k, abase, kbase, rows, diagonal, ck, m_rk, causal, k_w, dq, BT, K, False)
+                dq *= _masked_exp(g_i - g_first[None, :], m_r[:, None])
             else:
-                dq += tl.where(sel[:, None], b_dac[:, None] * b_kr[None, :], 0.0)
+                dq *= _masked_exp(g_i - g_first[None, :], m_r[:, None])
+                for c in range(BC):
+                    key = row0 + c
+                    m_key = key < T
+                    b_dac = tl.load(dA + abase + rows * BT + i_i * BC + c, mask=m_r, other=0.0)
+                    b_kr = tl.load(k + kbase + key * K + ck, mask=_and_scalar(m_k, m_key), other=0.0).to(tl.float32)
+                    g_kr = tl.load(gc + bh * T * GK + key * GK + ck * GS, mask=_and_scalar(m_k, m_key), other=0.0)
+                    dq += b_dac[:, None] * b_kr[None, :] * _masked_exp(g_i - g_kr[None, :], ((loc >= c) & m_r)[:, None])
+        else:
+            dq = _diagonal_dot(dA, k, abase, kbase, rows, diagonal, ck, m_rk, causal, 1.0, dq, BT, K, False)
         tl.store(dqi + qbase + rows[:, None] * K + ck[None, :], dq * scale, mask=m_rk)
         # dk from later query sub-chunks, through this sub-chunk's last row.
         for j in range(i_i + 1, NC):
@@ -600,20 +635,25 @@ def _bwd_intra_kernel(
                 b_q *= _masked_exp(g_q - g_lastrow[None, :], m_q[:, None])
             b_da = tl.load(dA + abase + qrows[:, None] * BT + (i_i * BC + loc)[None, :], mask=m_q[:, None], other=0.0)
             dk_later = tl.dot(tl.trans(b_da), b_q, dk_later, input_precision=PREC32)
-        # dk from the diagonal block.
-        for c in range(BC):
-            qrow = row0 + c
-            m_q = qrow < T
-            b_dar = tl.load(dA + abase + qrow * BT + i_i * BC + loc, mask=_and_scalar(loc < BC, m_q), other=0.0)
-            b_qr = tl.load(q + qbase + qrow * K + ck, mask=_and_scalar(m_k, m_q), other=0.0).to(tl.float32)
-            sel = _and_scalar(loc <= c, m_q)
-            if USE_G:
-                g_qr = tl.load(gc + bh * T * GK + qrow * GK + ck * GS, mask=_and_scalar(m_k, m_q), other=0.0)
-                dk += b_dar[:, None] * b_qr[None, :] * _masked_exp(g_qr[None, :] - g_i, sel[:, None])
+        # dk from the diagonal block: through its first row (scaled back after the group), or pair by pair.
+        if USE_G:
+            if narrow:
+                q_w = _masked_exp(g_i - g_first[None, :], m_r[:, None])
+                dk = _diagonal_dot(dA, q, abase, qbase, rows, diagonal, ck, m_rk, causal, q_w, dk, BT, K, True)
             else:
-                dk += tl.where(sel[:, None], b_dar[:, None] * b_qr[None, :], 0.0)
+                for c in range(BC):
+                    qrow = row0 + c
+                    m_q = qrow < T
+                    b_dar = tl.load(dA + abase + qrow * BT + i_i * BC + loc, mask=_and_scalar(loc < BC, m_q), other=0.0)
+                    b_qr = tl.load(q + qbase + qrow * K + ck, mask=_and_scalar(m_k, m_q), other=0.0).to(tl.float32)
+                    g_qr = tl.load(gc + bh * T * GK + qrow * GK + ck * GS, mask=_and_scalar(m_k, m_q), other=0.0)
+                    dk += b_dar[:, None] * b_qr[None, :] * _masked_exp(g_qr[None, :] - g_i, _and_scalar(loc <= c, m_q)[:, None])
+        else:
+            dk = _diagonal_dot(dA, q, abase, qbase, rows, diagonal, ck, m_rk, causal, 1.0, dk, BT, K, True)
     if USE_G:
         dk_later *= _masked_exp(g_lastrow[None, :] - g_i, m_r[:, None])
+        if narrow:
+            dk *= _masked_exp(g_first[None, :] - g_i, m_r[:, None])
     tl.store(dki + kbase + rows[:, None] * K + ck[None, :], (dk + dk_later) * scale, mask=m_rk)
 
 
@@ -877,6 +917,7 @@ def _chunk_len(chunk_size: int) -> int:
 # about fp32's rounding. "ieee" (FMA dots) compiled to 32 registers and 6-12 KB of spills per thread (ptxas 12.9
 # and 13.4, sm_80 to sm_90), against at most 0.5 KB with this (`compile_check`).
 EXACT_FP32 = "tf32x3"
+EXACT_FP32_DOT = tl.constexpr(EXACT_FP32)  # the same, for the kernels (diagonal blocks, whatever the inputs)
 
 
 def _dot_config(dtype: torch.dtype) -> dict:
@@ -1000,7 +1041,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor | None, scale: fl
     _launch(
         _intra_scores, lambda t: (_cdiv(T, BT), NC * (NC + 1) // 2, B * HQ), q, k, k if gc is None else gc, A, scale, T,
         tiles={"BK": _block(K)}, warps=BLOCK_WARPS, BC=SUB_CHUNK, NC=NC, **cfg, **_decay_meta(gc),
-        **_dot_config(q.dtype), PREC32=_kept_precision(q.dtype),
+        **_dot_config(q.dtype), PREC32=_kept_precision(q.dtype), SPAN=DIAG_SPAN,
     )
     return A
 
@@ -1083,7 +1124,7 @@ def _score_grads(
         _launch(
             _bwd_intra, lambda t: (_cdiv(K, t["BK"]), N * NC, B * H), q, k, k if gc is None else gc, dA, dqi, dki,
             scale, T, tiles={"BK": _block(K)}, warps=BLOCK_WARPS, H=H, G=G, K=K, BT=BT, BC=SUB_CHUNK, NC=NC,
-            **_decay_meta(gc), **_dot_config(q.dtype), PREC32=_kept_precision(q.dtype),
+            **_decay_meta(gc), **_dot_config(q.dtype), PREC32=_kept_precision(q.dtype), SPAN=DIAG_SPAN,
         )
     return dqi, dki
 

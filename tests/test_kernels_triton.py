@@ -10,6 +10,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import warnings
 from functools import partial
 
 import pytest
@@ -158,6 +159,31 @@ def test_chunk_needs_no_decay_clamp() -> None:
     got = outputs_and_grads(chunk_gla_triton, inputs, 32)
     assert all(torch.isfinite(x).all() for x in got)
     assert_all_close([x.double() for x in got], want)
+
+
+@pytest.mark.parametrize("span", [-1.0, 1e9], ids=["pair-by-pair", "one-dot"])
+def test_diagonal_blocks_in_either_form_equal_the_parallel_form(span: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A diagonal 16x16 block is one dot through its first row where its decay spans at most DIAG_SPAN, else
+    pair by pair: each form alone (forced here) gives the reference, forward and backward, with GQA."""
+    monkeypatch.setattr(gla_triton, "DIAG_SPAN", span)
+    inputs = make_inputs(1, 4, 2, 45, 16, 20, decay=True, state=True, seed=7)
+    want = outputs_and_grads(gla_parallel, inputs)
+    assert_all_close(outputs_and_grads(chunk_gla_triton, inputs, 32), want)
+
+
+def test_the_span_check_keeps_steep_decays_off_the_one_dot_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decays of -30 a token span 480 over a block: through its first row the factors would overflow fp32 (as
+    forcing it shows), so at the default span those blocks go pair by pair and stay exact."""
+    inputs = make_inputs(1, 2, 1, 48, 16, 16, decay=True, state=False, seed=2)
+    with torch.no_grad():
+        inputs["g"][..., :4] = -30.0
+    want = outputs_and_grads(gla_parallel, {n: None if x is None else x.double() for n, x in inputs.items()})
+    assert_all_close([x.double() for x in outputs_and_grads(chunk_gla_triton, inputs, 32)], want)
+    monkeypatch.setattr(gla_triton, "DIAG_SPAN", 1e9)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy reports the overflow
+        forced = chunk_gla_triton(inputs["q"], inputs["k"], inputs["v"], inputs["g"], 0.7, None, 32)[0]
+    assert not torch.isfinite(forced).all()
 
 
 def test_chunk_per_head_decay() -> None:
