@@ -272,9 +272,7 @@ def loaded_weight_bytes(teacher: PreTrainedModel | str, config: PretrainedConfig
     """Bytes the teacher's weights take once `load_teacher` has them, known before it runs: the export's bulk."""
     if isinstance(teacher, str):
         return parameter_count(config) * recipe.torch_dtype(device).itemsize
-    if recipe.dtype == "auto":
-        return weight_bytes(teacher)
-    return weight_bytes(teacher, recipe.torch_dtype(device))
+    return weight_bytes(teacher, None if recipe.dtype == "auto" else recipe.torch_dtype(device))  # as `load_teacher` casts
 
 
 def check_inputs(
