@@ -880,7 +880,10 @@ class LinearAttention(nn.Module):
         sinks are read as cached. Eager, when the token and every token in the ring are real (no padding
         since `linearize_valid_since`, set by `LinearizeForCausalLM.forward`), no validity is read or written.
         """
-        here = slice(start % self.window, start % self.window + 1)
+        slot = start % self.window
+        # Compiled, the slot is a one-element index: a slice at a symbolic offset makes inductor guard on whether
+        # that offset is 0 (reinplace's overlap check), so the graph would recompile when the ring wraps to slot 0.
+        here = torch.full((1,), slot, device=q.device) if torch.compiler.is_compiling() else slice(slot, slot + 1)
         ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
         unrotated = self._state(cache, "window_payload") if k_feat is not k else None
         all_valid = (  # not in a compiled graph: guards on the position would recompile it
@@ -953,6 +956,21 @@ class LinearAttention(nn.Module):
         layer.recurrent_states[STATES["window_kv"]] = kv[:, :, :, self.sink :]
         layer.recurrent_states[STATES["window_valid"]] = valid[:, self.sink :]
         layer.linearize_joined = (kv, valid)
+
+    def part_window(self, layer, cache: Cache) -> None:
+        """Undo `join_window` before a compiled step: sinks, ring and validity each their own tensor again.
+
+        The graph reads them apart, and writes each slot through a one-element index (`_gla_step`);
+        inductor writes such an index into a tensor in place, but into a view of a larger tensor
+        only by rewriting the whole view every token.
+        """
+        if getattr(layer, "linearize_joined", None) is None:
+            return
+        for name in ("sink_kv", "window_kv", "window_valid"):
+            state = self._state(cache, name)
+            if state is not None:
+                layer.recurrent_states[STATES[name]] = state.clone()
+        layer.linearize_joined = None
 
     def _joined_window(self, layer, cache: Cache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The sinks and ring as `join_window` laid them out, if the cached states are still its views;
@@ -1617,6 +1635,8 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             for layer in cache.layers:  # a full room grows here, eagerly: the graph only writes in place
                 if isinstance(layer, ReservedDynamicLayer) and layer.is_initialized:
                     layer.reserve_before_graph()
+            for attention in self.linear_attentions:
+                attention.part_window(cache.layers[attention.layer_idx], cache)
             in_place = self._step_writes_in_place(cache)
         elif step:
             if not self.cpu_decode_layout and self.compiled_step is None and self.device.type == "cpu":
