@@ -492,6 +492,18 @@ def record_seen(layer: LinearAttentionCacheLayerMixin, seen: int) -> None:
         count.fill_(seen)
 
 
+def part_window(layer: LinearAttentionCacheLayerMixin) -> None:
+    """Undo `LinearAttention.join_window` before a compiled step: sinks, ring and validity each their own tensor.
+
+    The graph reads them apart, and writes each slot through a one-element index (`_gla_step`);
+    inductor writes such an index into a tensor in place, but into a view of a larger tensor
+    only by rewriting the whole view every token.
+    """
+    for name in ("sink_kv", "window_kv", "window_valid"):
+        layer.recurrent_states[STATES[name]] = layer.recurrent_states[STATES[name]].clone()
+    layer.linearize_joined = None
+
+
 def has_state(layer: LinearAttentionCacheLayerMixin | None) -> bool:
     """Whether a linear layer's cache holds a step (not fresh, not reset)."""
     return layer is not None and layer.has_previous_state[STATES["memory"]]
@@ -956,21 +968,6 @@ class LinearAttention(nn.Module):
         layer.recurrent_states[STATES["window_kv"]] = kv[:, :, :, self.sink :]
         layer.recurrent_states[STATES["window_valid"]] = valid[:, self.sink :]
         layer.linearize_joined = (kv, valid)
-
-    def part_window(self, layer, cache: Cache) -> None:
-        """Undo `join_window` before a compiled step: sinks, ring and validity each their own tensor again.
-
-        The graph reads them apart, and writes each slot through a one-element index (`_gla_step`);
-        inductor writes such an index into a tensor in place, but into a view of a larger tensor
-        only by rewriting the whole view every token.
-        """
-        if getattr(layer, "linearize_joined", None) is None:
-            return
-        for name in ("sink_kv", "window_kv", "window_valid"):
-            state = self._state(cache, name)
-            if state is not None:
-                layer.recurrent_states[STATES[name]] = state.clone()
-        layer.linearize_joined = None
 
     def _joined_window(self, layer, cache: Cache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The sinks and ring as `join_window` laid them out, if the cached states are still its views;
@@ -1632,11 +1629,12 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         forward, in_place = self._forward, False
         if step and self.compiled_step is not None and cache is not None and self._settled(cache):
             forward = self.compiled_step
-            for layer in cache.layers:  # a full room grows here, eagerly: the graph only writes in place
+            # Eagerly, a full room grows and a joined ring parts (`part_window`): the graph only writes in place.
+            for layer in cache.layers:
                 if isinstance(layer, ReservedDynamicLayer) and layer.is_initialized:
                     layer.reserve_before_graph()
-            for attention in self.linear_attentions:
-                attention.part_window(cache.layers[attention.layer_idx], cache)
+                elif getattr(layer, "linearize_joined", None) is not None:
+                    part_window(layer)
             in_place = self._step_writes_in_place(cache)
         elif step:
             if not self.cpu_decode_layout and self.compiled_step is None and self.device.type == "cpu":
