@@ -492,6 +492,14 @@ def record_seen(layer: LinearAttentionCacheLayerMixin, seen: int) -> None:
         count.fill_(seen)
 
 
+def ring_slot(position: int, window: int, device: torch.device) -> slice | torch.Tensor:
+    """Where a decoding step's token goes in a ring of `window` slots: eager, a slice; in a compiled graph, a
+    one-element index, as a slice at a symbolic offset makes inductor guard on that offset being 0 (reinplace's
+    overlap check), and the graph would compile again each regime's first time the ring wraps to slot 0."""
+    slot = position % window
+    return torch.full((1,), slot, device=device) if torch.compiler.is_compiling() else slice(slot, slot + 1)
+
+
 def part_window(layer: LinearAttentionCacheLayerMixin) -> None:
     """Undo `LinearAttention.join_window` before a compiled step: sinks, ring and validity each their own tensor.
 
@@ -892,10 +900,7 @@ class LinearAttention(nn.Module):
         sinks are read as cached. Eager, when the token and every token in the ring are real (no padding
         since `linearize_valid_since`, set by `LinearizeForCausalLM.forward`), no validity is read or written.
         """
-        slot = start % self.window
-        # Compiled, the slot is a one-element index: a slice at a symbolic offset makes inductor guard on whether
-        # that offset is 0 (reinplace's overlap check), so the graph would recompile when the ring wraps to slot 0.
-        here = torch.full((1,), slot, device=q.device) if torch.compiler.is_compiling() else slice(slot, slot + 1)
+        here = ring_slot(start, self.window, q.device)
         ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
         unrotated = self._state(cache, "window_payload") if k_feat is not k else None
         all_valid = (  # not in a compiled graph: guards on the position would recompile it
@@ -1008,9 +1013,9 @@ class LinearAttention(nn.Module):
         positions = None if step and sinks_behind else torch.arange(start, start + T, device=q.device)
         sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None
         if step:
-            here = slice(start % W, start % W + 1)
+            here = ring_slot(start, W, q.device)
             (k_out, v_out), valid_out = ring[:, :, :, here].clone().unbind(2), ring_valid[:, here].clone()
-            ring[:, :, 0, here], ring[:, :, 1, here], ring_valid[:, here] = k, v, valid
+            ring[:, :, :, here], ring_valid[:, here] = torch.stack([k, v], dim=2), valid
             if extra is not None:
                 extra_out = ring_extra[:, :, here].clone()
                 ring_extra[:, :, here] = extra
