@@ -4,9 +4,8 @@ Method (the same for both models, in one process):
 - Input: seeded random token ids (speed does not depend on content), `B x context`.
 - Prefill: one forward with a fresh `DynamicCache(config=model.config)`, keeping only the last
   position's logits (full logits at 16K x 8 x 49K vocab would dominate memory and time).
-- Decode: UNTIMED_STEPS greedy steps (a compiled step compiles at the first position and again, with
-  the position symbolic, at the second), then `decode_tokens` timed greedy steps, one token per
-  sequence per step.
+- Decode: UNTIMED_STEPS greedy steps (a compiled step compiles at the first position, and an eager
+  one lays out its weights), then `decode_tokens` timed greedy steps, one token per sequence per step.
   tokens/s counts all sequences in the batch. The steps run in DECODE_ROUNDS rounds, and models
   benched together (student and teacher) take turns round by round, so both are timed over the same
   stretch of wall-clock time: on a shared machine whose speed drifts by tens of percent over

@@ -96,6 +96,12 @@ COMPILED_STEP_OPTIONS = {
     # measured in a later session (6 did as well as 8; 3, 10, 12 and 16 were slower).
     "realize_opcount_threshold": 8,
 }
+# The sizes a decoding step reads from the cache and that change as it decodes: a linear layer's token count,
+# a softmax layer's filled length and its room's capacity. Dynamo specializes such a size the first time and
+# makes it symbolic only when it changes, so the second step, and a room's first growth, compiled a graph of
+# their own (each 1.5-2 minutes for the default's step on 2 cores from a cold cache). Listed as Dynamo's
+# `dynamic_sources` (regexes over the inputs' sources, `:N` a tensor's dim), they are symbolic from the first.
+STEP_SIZES = r".*\.linearize_seen$,.*\.linearize_filled$,.*\.linearize_room\[[01]\]:2"
 
 
 def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make: Callable[[], Derived]) -> Derived:
@@ -1216,8 +1222,8 @@ class ReservedDynamicLayer(DynamicLayer):
     A compiled decoding step finds its room already made (`reserve_before_graph`, from
     `LinearizeForCausalLM.forward`) and its length in `linearize_filled`, so its graph holds the
     in-place write, no allocation, and no view of the cache as an input: only the whole buffers,
-    whose strides follow from their sizes. After the first growth their capacity is a symbolic size
-    and later growths reuse the graph. 48 ms against 64 ms per step for the 3:1 student at 16K,
+    whose strides follow from their sizes. Their capacity is a symbolic size (STEP_SIZES), so growths
+    reuse the graph. 48 ms against 64 ms per step for the 3:1 student at 16K,
     where the graph used to concatenate.
     """
 
@@ -1275,6 +1281,21 @@ def reserve_softmax_layers(cache: Cache) -> None:
     for index, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and not layer.is_initialized:
             cache.layers[index] = ReservedDynamicLayer()
+
+
+def symbolic_step_sizes(step: Callable) -> Callable:
+    """`step` (a compiled decoding step) run with STEP_SIZES among Dynamo's dynamic sources, so its first
+    graph already takes the cache's changing sizes as symbols; a torch without that setting compiles as before."""
+    config = torch.compiler.config
+    if not hasattr(config, "dynamic_sources"):
+        return step
+
+    @functools.wraps(step)
+    def run(*args, **kwargs):
+        with config.patch(dynamic_sources=",".join(filter(None, (config.dynamic_sources, STEP_SIZES)))):
+            return step(*args, **kwargs)
+
+    return run
 
 
 def split_gemv(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -1735,10 +1756,11 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         between small ops; compiled, the step's element-wise work fuses into the products and the
         one-row products become parallel reductions over row-major weights (`SplitGemvLinear`).
         `options` go to `torch.compile`; with inductor (the default backend) its `options` start from
-        COMPILED_STEP_OPTIONS. The first steps compile (a few minutes on 2 CPU cores, seconds once
-        inductor's cache holds the graph) and the position becomes a symbolic size after the second,
-        so one graph serves the rest. Steps while sinks still fill, prefill, training and scoring stay
-        eager. Returns the model.
+        COMPILED_STEP_OPTIONS. The first step compiles (about 2 minutes on 2 CPU cores, seconds once
+        inductor's cache holds the graph), with the cache's changing sizes symbolic (STEP_SIZES), so one
+        graph serves the rest; a prompt shorter than sinks + window compiles a second for the step's
+        in-place form once the sinks lie behind the window. Steps while sinks still fill, prefill,
+        training and scoring stay eager. Returns the model.
         """
         self._row_major()
         if self.device.type == "cpu":
@@ -1748,7 +1770,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             options["options"] = COMPILED_STEP_OPTIONS | (options.get("options") or {})
         for attention in self.linear_attentions:  # the graph reads sinks and ring apart: joined, their strides cost ~1%
             attention.joins_window = False
-        self.compiled_step = torch.compile(self._forward, **options)
+        self.compiled_step = symbolic_step_sizes(torch.compile(self._forward, **options))
         return self
 
     def train(self, mode: bool = True):

@@ -10,6 +10,7 @@ import copy
 import functools
 import math
 import re
+import types
 
 import pytest
 import torch
@@ -978,7 +979,7 @@ def test_a_fused_projection_left_stale_by_a_conversion_is_dropped():
 @torch.no_grad()
 def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monkeypatch):
     """After `compile_decoding`, generate's steps past the filling sinks run one torch.compile graph
-    without graph breaks (the position symbolic after the second) and give the eager model's tokens
+    without graph breaks (the position symbolic from the first) and give the eager model's tokens
     and logits; the weights stay row-major, and the softmax layers keep their reserved, in-place caches."""
     from torch._dynamo.utils import counters
 
@@ -999,16 +1000,29 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monk
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert len(steps) == NEW - 2, "every step once the sinks are full runs the compiled graph"
     assert not counters["graph_break"], dict(counters["graph_break"])
-    # The first compiled position is static, later ones symbolic, and the step takes its in-place form
-    # once the sinks lie behind the window: three graphs for 22 positions, none of them made when the
+    # The position is symbolic from the first compiled step (STEP_SIZES), and the step takes its in-place
+    # form once the sinks lie behind the window: two graphs for 22 positions, none of them made when the
     # ring wraps to its first slot (5 times here).
-    assert counters["stats"]["unique_graphs"] == 3, "one graph per regime, not one per position"
+    assert counters["stats"]["unique_graphs"] == 2, "one graph per regime, not one per position"
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
     assert large and all(type(m) is SplitGemvLinear and m.weight.is_contiguous() for m in large)
     assert not model.cpu_decode_layout
     assert any(type(layer) is modeling_linearize.ReservedDynamicLayer for layer in out.cache.layers) == (FULL in layer_types)
     assert not any(x.is_inference() for x in cache_tensors(out.cache)), "the graph ran in inference mode, writing in place"
     assert getattr(out.cache.layers[0], "linearize_joined", None) is None, "a compiled step reads sinks and ring apart"
+
+
+def test_symbolic_step_sizes_keeps_the_users_dynamic_sources_and_needs_none_from_an_older_torch(monkeypatch):
+    """The compiled step runs with STEP_SIZES added to whatever dynamic sources the user set, restored after;
+    a torch without `dynamic_sources` gets the step itself (it then compiles as Dynamo decides)."""
+    seen = []
+    step = modeling_linearize.symbolic_step_sizes(lambda x: seen.append(torch.compiler.config.dynamic_sources) or x)
+    with torch.compiler.config.patch(dynamic_sources="L['mine']"):
+        assert step(3) == 3
+        assert torch.compiler.config.dynamic_sources == "L['mine']"
+    assert seen == ["L['mine']," + modeling_linearize.STEP_SIZES]
+    monkeypatch.setattr(torch.compiler, "config", types.SimpleNamespace())
+    assert modeling_linearize.symbolic_step_sizes(abs) is abs
 
 
 @torch.no_grad()
@@ -1087,9 +1101,10 @@ def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(laye
         _, codes = run_and_get_code(decode)
     assert codes and cache.layers[0].recurrent_states[STATES["window_payload"]] is not None
     assert not left, f"slot writes left as whole-buffer scatters: {left}"
-    # Graphs: the first position, then symbolic; the room's first growth (its capacity symbolic after):
-    # the window's wraps (4 here) and the second growth compile nothing.
-    assert counters["stats"]["unique_graphs"] <= 2 + (FULL in layer_types) + (prompt < 2 + 4)
+    # One graph per form of the step: the position and the room's capacity are symbolic from the first step
+    # (STEP_SIZES), so neither the next positions, nor the window's wraps (4 here), nor the room's growths
+    # compile again.
+    assert counters["stats"]["unique_graphs"] == 1 + (prompt < 2 + 4)
     if FULL in layer_types:
         softmax = cache.layers[1]
         assert type(softmax) is modeling_linearize.ReservedDynamicLayer and softmax.keys.shape[-2] == ids.shape[1]
