@@ -888,13 +888,12 @@ class LinearAttention(nn.Module):
 
     def _steps_in_place(self, layer, cache, start: int) -> bool:
         """Whether a one-token step can take `_gla_step`: GLA with a window and the shared normalizer,
-        no gradient, a running state and ring, and sinks (if any) full and older than the window."""
+        no gradient, a running state and ring, and sinks (if any) full."""
         if not self._has_gla_step() or torch.is_grad_enabled():
             return False
         if self._state(cache, "memory") is None or self._state(cache, "window_kv") is None:
             return False
-        last_sink = getattr(layer, "linearize_last_sink", None)
-        return not self.sink or (last_sink is not None and last_sink < start - self.window)
+        return not self.sink or getattr(layer, "linearize_last_sink", None) is not None
 
     def _gla_step(self, hidden_states, q, k, v, q_feat, k_feat, padding, layer, cache, start, low_rank=None):
         """One decoding token of a GLA layer whose window runs: what `_attend` computes, with nothing cloned.
@@ -905,16 +904,24 @@ class LinearAttention(nn.Module):
         value read where it lies (a padding token adds nothing: its key features are zeroed), and the
         sinks are read as cached. Eager, when the token and every token in the ring are real (no padding
         since `linearize_valid_since`, set by `LinearizeForCausalLM.forward`), no validity is read or written.
+        While sinks are still inside the window (a prompt shorter than sinks + window), the ring holds them
+        too: their own copies stay hidden until they leave it, and a sink leaving the ring does not enter
+        the state. A compiled step always applies these masks (all true later), so one graph serves both.
         """
         here = ring_slot(start, self.window, q.device)
         ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
         unrotated = self._state(cache, "window_payload") if k_feat is not k else None
+        compiling = torch.compiler.is_compiling()
         all_valid = (  # not in a compiled graph: guards on the position would recompile it
-            padding is None
-            and not torch.compiler.is_compiling()
-            and start - self.window >= getattr(layer, "linearize_valid_since", 0)
+            padding is None and not compiling and start - self.window >= getattr(layer, "linearize_valid_since", 0)
         )
         keep = None if all_valid else ring_valid[:, None, here, None]  # the leaving token is real (not padding)
+        visible = None  # [B, S]: which sinks the query sees (None: all)
+        if self.sink and (compiling or layer.linearize_last_sink >= start - self.window):
+            sink_positions = self._state(cache, "sink_positions")
+            visible = sink_visibility(sink_positions, torch.full((1,), start, device=q.device), self.window)[:, 0, 0, 0]
+            not_sink = (sink_positions != start - self.window).all(-1)[:, None, None, None]
+            keep = not_sink if keep is None else keep & not_sink
         leaving = ring[:, :, 0, here] if unrotated is None else unrotated[:, :, here]
         g = self._decay(hidden_states, k, low_rank)
         memory = self._state(cache, "memory")
@@ -937,7 +944,7 @@ class LinearAttention(nn.Module):
             ring_valid[:, here] = True if padding is None else padding[:, -1:].bool()
         if unrotated is not None:
             unrotated[:, :, here] = k_feat
-        joined = self._joined_window(layer, cache)
+        joined = self._joined_window(layer, cache) if visible is None else None
         if joined is not None:  # sinks and ring side by side: one product for the scores, one for the values
             kv, valid = joined
             win, _ = window_step_terms(q, kv[:, :, 0], kv[:, :, 1], None if all_valid else valid, self.scaling)
@@ -950,6 +957,7 @@ class LinearAttention(nn.Module):
                 None if all_valid else ring_valid,
                 self.scaling,
                 None if sinks is None else sinks.unbind(2),
+                visible,
             )
         record_seen(layer, start + 1)
         return self._share_normalizer(o, win)
@@ -1758,9 +1766,8 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         `options` go to `torch.compile`; with inductor (the default backend) its `options` start from
         COMPILED_STEP_OPTIONS. The first step compiles (about 2 minutes on 2 CPU cores, seconds once
         inductor's cache holds the graph), with the cache's changing sizes symbolic (STEP_SIZES), so one
-        graph serves the rest; a prompt shorter than sinks + window compiles a second for the step's
-        in-place form once the sinks lie behind the window. Steps while sinks still fill, prefill,
-        training and scoring stay eager. Returns the model.
+        graph serves the rest. Steps while sinks still fill, prefill, training and scoring stay eager.
+        Returns the model.
         """
         self._row_major()
         if self.device.type == "cpu":

@@ -478,6 +478,33 @@ def test_padding_inside_a_decode_is_masked_once_the_window_has_moved_on(plan_mod
     torch.testing.assert_close(torch.cat(pieces, dim=1)[real], full[real], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["real", "left-padded"])
+@pytest.mark.parametrize("rope_features", [True, False], ids=["rotated", "unrotated"])
+@torch.no_grad()
+def test_steps_while_the_sinks_are_inside_the_window_equal_one_pass(padded, rope_features, monkeypatch):
+    """Stepped token by token from a prompt shorter than sinks + window, every step takes the in-place
+    `_gla_step`: it hides a sink's own copy while the ring still holds the sink, keeps a sink leaving the
+    ring out of the state (also where no validity is read, the rows all real), and gives one pass's logits
+    before, while and after the sinks leave; left-padded, the rows' sinks sit at different positions."""
+    model = make_model([LIN, FULL, LIN], {"window": 4, "sink": 3, "chunk_size": 16, "rope_features": rope_features}, seed=7)
+    ids = random_ids(2, 16, seed=33)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    if padded:
+        mask[1, :2] = 0
+    full = model(ids, attention_mask=mask, use_cache=False).logits
+    steps = []
+    gla_step = LinearAttention._gla_step
+    monkeypatch.setattr(LinearAttention, "_gla_step", lambda self, *args: steps.append(args[9]) or gla_step(self, *args))
+    cache = DynamicCache(config=model.config)
+    prompt = 5 if padded else 3  # the sinks are full after it
+    pieces = [model(ids[:, :prompt], attention_mask=mask[:, :prompt], cache=cache).logits]
+    for t in range(prompt, 16):
+        pieces.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache).logits)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(pieces, dim=1)[real], full[real], rtol=1e-4, atol=1e-4)
+    assert sorted(steps) == sorted(list(range(prompt, 16)) * 2), "every step of both linear layers in place"
+
+
 @torch.no_grad()
 def test_all_linear_continuation_counts_its_own_positions():
     """No softmax layer holds a KV length: positions continue from the linear layers' own count."""
@@ -1000,10 +1027,10 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monk
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert len(steps) == NEW - 2, "every step once the sinks are full runs the compiled graph"
     assert not counters["graph_break"], dict(counters["graph_break"])
-    # The position is symbolic from the first compiled step (STEP_SIZES), and the step takes its in-place
-    # form once the sinks lie behind the window: two graphs for 22 positions, none of them made when the
-    # ring wraps to its first slot (5 times here).
-    assert counters["stats"]["unique_graphs"] == 2, "one graph per regime, not one per position"
+    # The position is symbolic from the first compiled step (STEP_SIZES), and the same in-place step serves
+    # while the sinks are inside the window and after: one graph for 22 positions, none made when the ring
+    # wraps to its first slot (5 times here).
+    assert counters["stats"]["unique_graphs"] == 1, "one graph, not one per position or regime"
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
     assert large and all(type(m) is SplitGemvLinear and m.weight.is_contiguous() for m in large)
     assert not model.cpu_decode_layout
@@ -1058,9 +1085,8 @@ def calls_an_extern_kernel(codes: list[str]) -> bool:
 def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(layer_types, prompt, monkeypatch):
     """On CPU, compiled: after inductor's reinplacing no functional scatter is left, so each ring's
     new slot, and a softmax layer's new token in its reserved room, is written in place where a
-    scatter would rewrite the whole buffer every token (COMPILED_STEP_OPTIONS), in both of the step's
-    forms (a short prompt starts with the sinks still inside the window); a full room grows outside the
-    graph. All-linear, no extern BLAS call is left either (the small products are `step_bmm`'s fused
+    scatter would rewrite the whole buffer every token (COMPILED_STEP_OPTIONS), from a prompt past sinks
+    + window and from one that starts with the sinks inside it; a full room grows outside the graph. All-linear, no extern BLAS call is left either (the small products are `step_bmm`'s fused
     multiply-and-sum, the small linears the split GEMV's)."""
     import torch._inductor.fx_passes.post_grad as post_grad
     from torch._inductor.utils import run_and_get_code
@@ -1101,10 +1127,10 @@ def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(laye
         _, codes = run_and_get_code(decode)
     assert codes and cache.layers[0].recurrent_states[STATES["window_payload"]] is not None
     assert not left, f"slot writes left as whole-buffer scatters: {left}"
-    # One graph per form of the step: the position and the room's capacity are symbolic from the first step
-    # (STEP_SIZES), so neither the next positions, nor the window's wraps (4 here), nor the room's growths
-    # compile again.
-    assert counters["stats"]["unique_graphs"] == 1 + (prompt < 2 + 4)
+    # One graph: the position and the room's capacity are symbolic from the first step (STEP_SIZES), and
+    # the step masks sinks still inside the window itself, so neither the next positions, nor the sinks
+    # leaving the window, nor its wraps (4 here), nor the room's growths compile again.
+    assert counters["stats"]["unique_graphs"] == 1
     if FULL in layer_types:
         softmax = cache.layers[1]
         assert type(softmax) is modeling_linearize.ReservedDynamicLayer and softmax.keys.shape[-2] == ids.shape[1]
