@@ -501,7 +501,7 @@ def record_seen(layer: LinearAttentionCacheLayerMixin, seen: int) -> None:
 def ring_slot(position: int, window: int, device: torch.device) -> slice | torch.Tensor:
     """Where a decoding step's token goes in a ring of `window` slots: eager, a slice; in a compiled graph, a
     one-element index, as a slice at a symbolic offset makes inductor guard on that offset being 0 (reinplace's
-    overlap check), and the graph would compile again each regime's first time the ring wraps to slot 0."""
+    overlap check), and the graph would compile again the first time the ring wraps to slot 0."""
     slot = position % window
     return torch.full((1,), slot, device=device) if torch.compiler.is_compiling() else slice(slot, slot + 1)
 
