@@ -436,7 +436,8 @@ def render_table(rows: list[dict[str, Any]], title: str = TITLE) -> Any:
 
 
 def plot(points: dict[str, list[dict[str, Any]]], path: Path) -> Path:
-    """PNG with prefill tokens/s, decode tokens/s and memory against context, one line per model and batch."""
+    """PNG with prefill tokens/s, decode tokens/s and memory against context, one line per model and batch;
+    dashed beside decoding its bandwidth bound, beside the cache the peak memory."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -444,12 +445,12 @@ def plot(points: dict[str, list[dict[str, Any]]], path: Path) -> Path:
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = (
-        ("prefill_tok_s", "prefill tokens/s", 1.0),
-        ("decode_tok_s", "decode tokens/s", 1.0),
-        ("cache_bytes", "MiB (solid: cache, dashed: peak)", MiB),
+    panels = (  # (solid, dashed, label, scale)
+        ("prefill_tok_s", None, "prefill tokens/s", 1.0),
+        ("decode_tok_s", "bound_tok_s", "decode tokens/s (solid: measured, dashed: bound)", 1.0),
+        ("cache_bytes", "peak_mem_bytes", "MiB (solid: cache, dashed: peak)", MiB),
     )
-    for ax, (key, ylabel, scale) in zip(axes, panels, strict=True):
+    for ax, (key, dashed, ylabel, scale) in zip(axes, panels, strict=True):
         for model, pts in points.items():
             for batch in sorted({p["batch"] for p in pts}):
                 ok = [p for p in pts if p["batch"] == batch and p.get("status") == "ok" and p.get(key) is not None]
@@ -457,8 +458,9 @@ def plot(points: dict[str, list[dict[str, Any]]], path: Path) -> Path:
                     continue
                 xs = [p["context"] for p in ok]
                 line = ax.plot(xs, [p[key] / scale for p in ok], marker="o", label=f"{model} B={batch}")[0]
-                if key == "cache_bytes":
-                    ax.plot(xs, [p["peak_mem_bytes"] / scale for p in ok], marker="x", ls="--", color=line.get_color())
+                beside = [p for p in ok if dashed and p.get(dashed) is not None]
+                if beside:
+                    ax.plot([p["context"] for p in beside], [p[dashed] / scale for p in beside], marker="x", ls="--", color=line.get_color())
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({p["context"] for pts in points.values() for p in pts}))
         ax.xaxis.set_major_formatter(ScalarFormatter())

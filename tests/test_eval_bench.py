@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from linearize.eval.bench import (
+    MiB,
     PeakMemory,
     bench_model,
     bench_models,
@@ -18,6 +19,7 @@ from linearize.eval.bench import (
     decode_rounds,
     paired_bandwidth,
     parse_int_list,
+    plot,
     ratio_rows,
     read_bandwidth,
     weight_bytes_per_step,
@@ -136,6 +138,28 @@ def test_peak_memory_sees_a_large_allocation():
         block = torch.ones(16 * 1024 * 1024)  # 64 MiB, touched
         del block
     assert mem.peak_bytes >= 60 * 1024 * 1024, mem.method
+
+
+def test_the_plot_draws_each_models_bound_dashed_beside_its_decode_rate(tmp_path, monkeypatch):
+    """The decode panel holds, per model and batch, the measured rate and (dashed, same colour) its
+    bandwidth bound, where the point has one."""
+    import matplotlib.figure
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, *args, **kwargs: figures.append(figure))
+
+    def point(context: int, rate: float, bound: float | None) -> dict:
+        return {"context": context, "batch": 1, "status": "ok", "prefill_tok_s": 100.0, "decode_tok_s": rate,
+                "bound_tok_s": bound, "cache_bytes": MiB, "peak_mem_bytes": 2 * MiB}
+
+    points = {"student": [point(16, 10.0, 40.0), point(32, 9.0, 38.0)], "teacher": [point(16, 8.0, 30.0), point(32, 5.0, None)]}
+    plot(points, tmp_path / "bench.png")
+    decode = figures[0].axes[1]
+    solid = [line for line in decode.lines if line.get_linestyle() == "-"]
+    dashed = [line for line in decode.lines if line.get_linestyle() == "--"]
+    assert [list(line.get_ydata()) for line in solid] == [[10.0, 9.0], [8.0, 5.0]]
+    assert [list(line.get_ydata()) for line in dashed] == [[40.0, 38.0], [30.0]]
+    assert [line.get_color() for line in dashed] == [line.get_color() for line in solid]
 
 
 def test_bench_cli_writes_json_and_png(model_dir, capsys):
