@@ -1020,9 +1020,10 @@ class LinearAttention(nn.Module):
         extra = torch.cat(extras, dim=-1) if extras else None
         ring, ring_extra, ring_valid = (self._state(cache, name) for name in ("window_kv", "window_payload", "window_valid"))
         step = ring is not None and T == 1 and not torch.is_grad_enabled()
-        # Every sink full and older than the oldest token leaving the window: all visible, none entering.
+        # Every sink full and older than the oldest token leaving the window: all visible, none entering. A
+        # compiled step applies the masks anyway (then all true): a test of the position would split its graph.
         last_sink = getattr(layer, "linearize_last_sink", None)
-        sinks_behind = last_sink is not None and last_sink < start - W
+        sinks_behind = not (step and torch.compiler.is_compiling()) and last_sink is not None and last_sink < start - W
         # A decoding step past the sinks needs no positions: it neither fills nor masks them.
         positions = None if step and sinks_behind else torch.arange(start, start + T, device=q.device)
         sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None

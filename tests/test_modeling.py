@@ -1002,19 +1002,24 @@ def test_a_fused_projection_left_stale_by_a_conversion_is_dropped():
     assert linear.qkv_columns is None
 
 
-@pytest.mark.parametrize("layer_types", [[LIN, FULL], [LIN, LIN]], ids=["hybrid", "all-linear"])
+@pytest.mark.parametrize(
+    "layer_types, kind",
+    [([LIN, FULL], {}), ([LIN, LIN], {}), ([LIN, FULL], DELTA)],
+    ids=["hybrid", "all-linear", "deltanet-hybrid"],
+)
 @torch.no_grad()
-def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monkeypatch):
+def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, kind, monkeypatch):
     """After `compile_decoding`, generate's steps past the filling sinks run one torch.compile graph
     without graph breaks (the position symbolic from the first) and give the eager model's tokens
-    and logits; the weights stay row-major, and the softmax layers keep their reserved, in-place caches."""
+    and logits; the weights stay row-major, and the softmax layers keep their reserved, in-place caches.
+    The delta rule's steps (the general path, not `_gla_step`) keep one graph too."""
     from torch._dynamo.utils import counters
 
     torch.set_num_threads(2)
     torch._dynamo.reset()
     counters.clear()
     monkeypatch.setattr(modeling_linearize, "SPLIT_GEMV_MIN", 1024)
-    model = make_model(layer_types, {"window": 4, "sink": 4, "chunk_size": 16}, tie_word_embeddings=True)
+    model = make_model(layer_types, {**kind, "window": 4, "sink": 4, "chunk_size": 16}, tie_word_embeddings=True)
     ids = random_ids(1, 3, seed=12)  # the first step fills the last sink: it stays eager (a host sync)
     expected, expected_logits = greedy_by_recomputation(model, ids, NEW)
     assert model.compile_decoding() is model
@@ -1027,9 +1032,9 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, monk
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert len(steps) == NEW - 2, "every step once the sinks are full runs the compiled graph"
     assert not counters["graph_break"], dict(counters["graph_break"])
-    # The position is symbolic from the first compiled step (STEP_SIZES), and the same in-place step serves
-    # while the sinks are inside the window and after: one graph for 22 positions, none made when the ring
-    # wraps to its first slot (5 times here).
+    # The position is symbolic from the first compiled step (STEP_SIZES), and the same step serves while the
+    # sinks are inside the window and after (it masks them itself): one graph for 22 positions, none made
+    # when the ring wraps to its first slot (5 times here).
     assert counters["stats"]["unique_graphs"] == 1, "one graph, not one per position or regime"
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
     assert large and all(type(m) is SplitGemvLinear and m.weight.is_contiguous() for m in large)
