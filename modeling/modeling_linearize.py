@@ -303,6 +303,12 @@ def sink_visibility(sink_positions: torch.Tensor, q_positions: torch.Tensor, win
     return (sinks >= 0) & (sinks <= (q_positions - window).to(sinks.dtype)[:, None])
 
 
+def sink_leaving(sink_positions: torch.Tensor, q_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, T]: whether the token leaving the window at each query is a sink (it stays out of the state)."""
+    leaving = (q_positions - window).to(sink_positions.dtype)
+    return (leaving[None, :, None] == sink_positions[:, None, :]).any(-1)
+
+
 WINDOW_BLOCK = 64  # queries per block of the window's softmax: each attends window + block keys
 
 
@@ -918,9 +924,9 @@ class LinearAttention(nn.Module):
         keep = None if all_valid else ring_valid[:, None, here, None]  # the leaving token is real (not padding)
         visible = None  # [B, S]: which sinks the query sees (None: all)
         if self.sink and (compiling or layer.linearize_last_sink >= start - self.window):
-            sink_positions = self._state(cache, "sink_positions")
-            visible = sink_visibility(sink_positions, torch.full((1,), start, device=q.device), self.window)[:, 0, 0, 0]
-            not_sink = (sink_positions != start - self.window).all(-1)[:, None, None, None]
+            sink_positions, position = self._state(cache, "sink_positions"), torch.full((1,), start, device=q.device)
+            visible = sink_visibility(sink_positions, position, self.window)[:, 0, 0, 0]
+            not_sink = ~sink_leaving(sink_positions, position, self.window)[:, None, :, None]
             keep = not_sink if keep is None else keep & not_sink
         leaving = ring[:, :, 0, here] if unrotated is None else unrotated[:, :, here]
         g = self._decay(hidden_states, k, low_rank)
@@ -1062,8 +1068,7 @@ class LinearAttention(nn.Module):
         payload = [k_out if x is k else v_out if x is v else next(extras_out) for x in payload]
         if self.sink and not sinks_behind:
             # Sinks stay in the softmax part for good: they never enter the linear state.
-            entering = (positions - W).to(sinks[2].dtype)
-            valid = valid & ~(entering[None, :, None] == sinks[2][:, None, :]).any(-1)
+            valid = valid & ~sink_leaving(sinks[2], positions, W)
         return payload, valid, window_terms
 
     def _delta(self, fq, fk, v, beta, g, keep, cache, mode, window_terms):
