@@ -177,7 +177,7 @@ def recipe_from_args(args: argparse.Namespace):
     }
     # Switching kind away from the recipe's: the new kind's own defaults, unless given. The delta rule
     # keeps GLA's normalized state where its features are positive (see `LinearAttention._delta`): with
-    # Hedgehog, its best measured form (README, "Kinds, maps and gates"), the default.
+    # Hedgehog, its best measured form (docs/results.md, "Attention kinds"), the default.
     defaults = {"performer": ("performer", "none"), "gla": ("hedgehog", "lowrank"), "deltanet": ("hedgehog", "lowrank")}
     if args.attention and recipe.attention.kind != args.attention:
         feature_map, gate = defaults[args.attention]

@@ -372,7 +372,7 @@ def select_layers(
     if layers.placement == "measured" and not linear and not selection.layer_errors:
         logger.info("measuring every layer as linear with a short attention transfer")
         # Layers are ranked with the feature maps on RoPE'd q/k, as the teacher sees them: that ranking
-        # measured better for students of either kind (README, "Length").
+        # measured better for students of either kind.
         measure_settings = {**settings, "rope_features": True}
         every = linearize_model(teacher, plan_layers(n_layers, linear_layers=list(range(n_layers))), measure_settings)
         stage = dataclasses.replace(

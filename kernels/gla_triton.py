@@ -25,7 +25,8 @@ token (channel stride 0), and its in-chunk scores are one masked dot per chunk, 
 
 Launches: fixed tiles (BK = BV = 64 at most; Triton's default warps and stages, 2 warps for the
 kernels on 16-row blocks), the configuration checked on an H200; LINEARIZE_AUTOTUNE=1 autotunes BK/BV
-and num_warps on CUDA instead (there it once hit an illegal memory access while tuning, see the README).
+and num_warps on CUDA instead (unverified on a GPU: on an H200 its tuning stopped with an illegal memory
+access, docs/gpu.md).
 Under TRITON_INTERPRET=1 everything runs on CPU tensors. Every launch runs under the inputs' device
 guard, so a layer on cuda:1 works while cuda:0 is current. States (per-chunk and final) are fp32 or,
 on request, bf16 (`state_dtype`); every sum accumulates in fp32.
@@ -81,7 +82,7 @@ def _interpreting() -> bool:
 def _fixed_tiles() -> bool:
     """Launch fixed tiles unless LINEARIZE_AUTOTUNE=1 was set before the kernels were imported, and always
     under the interpreter (no driver to time with). Fixed tiles compile once per shape; the autotuner
-    compiles every config, and on an H200 one of its configs crashed (README, "GPU check")."""
+    compiles every config, and on an H200 one of its configs crashed (docs/gpu.md)."""
     value = os.environ.get("LINEARIZE_AUTOTUNE", "0").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"LINEARIZE_AUTOTUNE={value!r}: set it to 1 (autotune) or 0 (fixed tiles, the default)")
@@ -839,7 +840,7 @@ def _block(dim: int, cap: int = 64) -> int:
 
 
 BLOCK_WARPS = 2  # warps per program of the kernels on 16-row blocks (in-chunk scores and their gradients): on an
-# H200 2 beat 4 and 1 at T = 16K (README, "GPU check")
+# H200 2 beat 4 and 1 at T = 16K (docs/gpu.md)
 
 
 class SharedMemoryError(RuntimeError):

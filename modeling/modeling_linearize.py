@@ -87,13 +87,13 @@ COMPILED_STEP_OPTIONS = {
     "size_asserts": False,
     "alignment_asserts": False,
     # Lets the C++ compiler fuse each multiply-and-add into one FMA: the fused GEMVs' inner loop is one
-    # instruction shorter, 34.7 -> 33.2 ms per all-linear step (results move by rounding only).
+    # instruction shorter: 33.2 against 34.7 ms per all-linear step (results move by rounding only).
     "cpp.enable_floating_point_contract_flag": "fast",
     # Element-wise chains of more than 8 ops are stored once instead of recomputed inside their reader's
     # loop (inductor's CPU default is 50). Otherwise a GEMV recomputes its input per weight row (the
     # window/state mix before o_proj, the RMSNorm before q/k/v and the head) and the window scores
-    # recompute the rotary cos/sin per key: 34.7 -> 32.9 ms per all-linear step with the settings above,
-    # measured in a later session (6 did as well as 8; 3, 10, 12 and 16 were slower).
+    # recompute the rotary cos/sin per key: 32.9 against 34.7 ms per all-linear step with the settings
+    # above (6 does as well as 8; 3, 10, 12 and 16 are slower).
     "realize_opcount_threshold": 8,
 }
 # The sizes a decoding step reads from the cache and that change as it decodes: a linear layer's token count,
@@ -195,8 +195,8 @@ class TaylorFeatureMap(nn.Module):
 
     The projection is L2-normalized and scaled to sqrt(2) d^(1/4), so the kernel's argument
     q'.k'/sqrt(d) stays in [-2, 2], where 1 + u + u^2/2 is a fair, positive stand-in for exp(u).
-    Unbounded, SmolLM2's large q/k norms put it far out of that range: the measured zero-shot
-    held-out perplexity was 98x the teacher's. The projection starts at the first d coordinates.
+    Unbounded, SmolLM2's large q/k norms put it far out of that range (98x the teacher's held-out
+    perplexity zero-shot). The projection starts at the first d coordinates.
 
     Each side's features are divided by sqrt(F), F = 1 + d + d^2, so a token adds 0.5/F to 5/F to the
     normalizer. A constant cancels wherever the state alone is normalized (and in the delta rule's L2
@@ -1237,8 +1237,8 @@ class ReservedDynamicLayer(DynamicLayer):
     `LinearizeForCausalLM.forward`) and its length in `linearize_filled`, so its graph holds the
     in-place write, no allocation, and no view of the cache as an input: only the whole buffers,
     whose strides follow from their sizes. Their capacity is a symbolic size (STEP_SIZES), so growths
-    reuse the graph. 48 ms against 64 ms per step for the 3:1 student at 16K,
-    where the graph used to concatenate.
+    reuse the graph: 48 ms per step for the 3:1 student at 16K, against 64 ms when the graph
+    concatenates.
     """
 
     def reserve(self, tokens: int, like: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -1690,8 +1690,8 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict = kwargs.pop("return_dict", None)
         args = (input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep)
         if in_place:
-            # Inference mode spares each of the step's ~5,000 small ops its autograd bookkeeping (49.4 -> 45.1
-            # ms an eager 3:1 step at 1K on 2 cores; 30.6 -> 30.0 ms a compiled all-linear one). Nothing it
+            # Inference mode spares each of the step's ~5,000 small ops its autograd bookkeeping (45.1 against
+            # 49.4 ms an eager 3:1 step at 1K on 2 cores; 30.0 against 30.6 ms a compiled all-linear one). Nothing it
             # makes may outlive it: the cache is only written in place, and the outputs leave as copies.
             with torch.inference_mode():
                 out = forward(*args, **kwargs)

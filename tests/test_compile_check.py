@@ -5,7 +5,7 @@ memory per block refuses some fp32 tiles at Triton's default 3 pipeline stages, 
 fewer stages (`gla_triton._launch`) must carry every case; and sm_90 (H100 / H200), the GPU the speed
 goals are set on. The narrower fallbacks (value tiles, the delta rule's chunk length) that the fp32 K = 256
 cases need on sm_86 take minutes to compile; `test_kernels_triton.py` and `test_kernels_delta_triton.py` test
-them with stand-ins, and the README reports the full run.
+them with stand-ins, and docs/gpu.md reports the full run.
 """
 
 from __future__ import annotations

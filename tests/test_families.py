@@ -3,7 +3,7 @@
 Tiny random teachers (hidden 32, 4 layers, vocab 128) of each family, with what makes the family
 differ switched on: fused or per-head q/k/v, partial rotary, q/k norms (per head or flat), scaled
 attention (Gemma's query_pre_attn_scalar, Granite's multipliers), sliding-window softmax layers.
-The README's families x checks table is this file's results (`python -m pytest tests/test_families.py -v`).
+The README's support matrix comes from this file's results (`python -m pytest tests/test_families.py -v`).
 """
 
 from __future__ import annotations

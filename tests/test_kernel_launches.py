@@ -1,8 +1,8 @@
 """The Triton kernels' launches as a GPU runs them, checked under the interpreter: every tile, no stray access, no race.
 
 Tiles: on a GPU the autotuner (LINEARIZE_AUTOTUNE=1) times each config of BK / BV several times on the
-real buffers. Fixed tiles are the default (on an H200 tuning once stopped with an illegal memory access,
-README "GPU check"), so these configs never run in the other tests. Here each one must give the
+real buffers. Fixed tiles are the default (on an H200 tuning stopped with an illegal memory access,
+docs/gpu.md), so these configs never run in the other tests. Here each one must give the
 reference result, with every tuned launch repeated as a timing rerun repeats it, and must neither write
 outside its buffers nor read past them: each launch runs on copies of its tensors' storages fenced by
 0xFF bytes (a NaN in every float dtype), so a stray read turns the result NaN and a stray write shows in
