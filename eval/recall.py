@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
+from ..convert.card import update_section
 from ..convert.needles import PASSKEY_FILLER, TASKS, count_tokens, heldout_prose, make_prompt
 from .models import dtype_name, remote_code_ok
-from .quality import update_model_card
 from .tasks import default_dest as _tasks_dest
 
 if TYPE_CHECKING:
@@ -60,7 +60,6 @@ CHANCE = {
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MAX_GEN_TOKS = 12
-BEGIN, END = "<!-- linearize-recall -->", "<!-- /linearize-recall -->"
 # Bump when the generated prompts or task files change, so stale caches are rebuilt.
 FORMAT_VERSION = 1
 
@@ -591,7 +590,7 @@ def run_recall(
     tmp = student_dir / f".recall.json.{os.getpid()}"
     tmp.write_text(json.dumps(report, indent=2))
     tmp.replace(paths["json"])
-    update_model_card(Path(paths["readme"]), md, (BEGIN, END), heading="Long-context recall")
+    update_section(student_dir, "recall", md)
     return report
 
 

@@ -16,7 +16,8 @@ linear layer is therefore never an attention layer: sliding-window softmax layer
 Mistral) keep their own window and mask sizes.
 
 Read top to bottom: the pieces of a linear layer (feature maps, decay gate, local window, sinks),
-`LinearAttention`, then `LinearizeForCausalLM`.
+`LinearAttention`, then the models: `LinearizeModel` (the backbone, what `AutoModel` loads) and
+`LinearizeForCausalLM`, both over the base family's own classes.
 """
 
 from __future__ import annotations
@@ -1565,37 +1566,41 @@ class SoftmaxAttentionConfig:
         return SPLIT_DECODE if implementation == "sdpa" else implementation
 
 
-_HYBRID_CLASSES: dict[str, type] = {}
+_HYBRID_CLASSES: dict[tuple[str, str], type] = {}
 
 
-def hybrid_class(config: LinearizeConfig) -> type[LinearizeForCausalLM]:
-    """The class of a model: `LinearizeForCausalLM` over the base family's causal LM class."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+def hybrid_class(config: LinearizeConfig, public: type[LinearizePreTrainedModel]) -> type:
+    """The class of a model: `public` (`LinearizeModel` or `LinearizeForCausalLM`) over the base family's own
+    class of the same role (e.g. `LlamaModel` or `LlamaForCausalLM`), from transformers' auto mapping."""
+    from transformers.models.auto import modeling_auto
 
     kind = config.base_model_type
-    if kind not in _HYBRID_CLASSES:
-        base = MODEL_FOR_CAUSAL_LM_MAPPING[base_config_class(kind)]
-        cls = type("LinearizeForCausalLM", (LinearizeForCausalLM, base), {"__module__": __name__})
-        cls.__qualname__ = f"LinearizeForCausalLM[{base.__name__}]"
-        _HYBRID_CLASSES[kind] = cls
-    return _HYBRID_CLASSES[kind]
+    key = (kind, public.__name__)
+    if key not in _HYBRID_CLASSES:
+        base = getattr(modeling_auto, public.family_mapping)[base_config_class(kind)]
+        cls = type(public.__name__, (public, base), {"__module__": __name__})
+        cls.__qualname__ = f"{public.__name__}[{base.__name__}]"
+        _HYBRID_CLASSES[key] = cls
+    return _HYBRID_CLASSES[key]
 
 
-class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
-    """The base family's causal LM with the linear layers of `config.layer_types` converted.
+class LinearizePreTrainedModel(PreTrainedModel):
+    """What the backbone and the causal LM share: a base family model whose `config.layer_types` linear layers are
+    converted in place, built from the LinearizeConfig.
 
-    `LinearizeForCausalLM(config)` and `from_pretrained` give an instance of `hybrid_class(config)`,
-    which subclasses both this class and the family's (e.g. `LlamaForCausalLM`): everything not
-    defined here (weight tying, initialization, device maps, generation, output capture) is the
-    family's. `self.config` is the LinearizeConfig (its `layer_types` build the hybrid cache); the
-    family's modules hold `config.base_config()`.
+    `LinearizeModel(config)`, `LinearizeForCausalLM(config)` and `from_pretrained` give an instance of
+    `hybrid_class(config, ...)`, which subclasses both the public class and the family's (e.g. `LlamaModel` or
+    `LlamaForCausalLM`): everything not defined here (weight tying, initialization, device maps, generation,
+    output capture) is the family's. `self.config` is the LinearizeConfig (its `layer_types` build the hybrid
+    cache); the family's modules hold `config.base_config()`.
     """
 
     config_class = LinearizeConfig
+    family_mapping = ""  # the transformers auto mapping whose class of the base family a public class extends
 
     def __new__(cls, config: LinearizeConfig | None = None, *args, **kwargs):
-        if cls is LinearizeForCausalLM:  # (copies arrive here with their class and no config)
-            cls = hybrid_class(config)
+        if _is_public(cls):  # (copies arrive here with their class and no config)
+            cls = hybrid_class(config, cls)
         return super().__new__(cls)
 
     def __init__(self, config: LinearizeConfig, *args, **kwargs):
@@ -1612,22 +1617,20 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             else:
                 attention.config = SoftmaxAttentionConfig(attention.config)
         self.linear_attentions = tuple(m for m in self.modules() if isinstance(m, LinearAttention))  # not registered twice
-        self.cpu_decode_layout = False  # large weights column-major for SplitGemvLinear, from the first CPU decoding step
-        self.compiled_step: Callable | None = None  # the decoding step's graph, once `compile_decoding` asks for it
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, config: LinearizeConfig | None = None, **kwargs):
-        if cls is not LinearizeForCausalLM:
+        if not _is_public(cls):
             return super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
         if not isinstance(config, LinearizeConfig):
             hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
             config = LinearizeConfig.from_pretrained(pretrained_model_name_or_path, **hub)
-        return hybrid_class(config).from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+        return hybrid_class(config, cls).from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
 
     @classmethod
     def _from_config(cls, config: LinearizeConfig, **kwargs):
-        target = hybrid_class(config) if cls is LinearizeForCausalLM else cls
-        return super(LinearizeForCausalLM, target)._from_config(config, **kwargs)
+        target = hybrid_class(config, cls) if _is_public(cls) else cls
+        return super(LinearizePreTrainedModel, target)._from_config(config, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -1638,6 +1641,112 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             module.reset_parameters()
         elif isinstance(module, LinearAttention) and hasattr(module, "window_factor"):
             init.constant_(module.window_factor, WINDOW_FACTOR_INIT)
+
+    def _note_padding(self, cache: Cache, attention_mask: torch.Tensor, tokens: int, kwargs: dict) -> None:
+        """Tell the linear layers whether the `tokens` new tokens may include padding.
+
+        On a CPU without autograd, a mask whose new tokens are all real is dropped (reading it is no
+        sync there), and the layers treat every token as real. Otherwise each linear layer's cache
+        records that real tokens start after these (`linearize_valid_since`): until the window has
+        moved past them, `LinearAttention._gla_step` reads and writes the ring's validity.
+        """
+        if not torch.is_grad_enabled() and attention_mask.device.type == "cpu" and bool(attention_mask[:, -tokens:].all()):
+            kwargs[PADDING_KWARG] = None
+            return
+        for attention in self.linear_attentions:
+            layer = cache.layers[attention.layer_idx]
+            layer.linearize_valid_since = tokens_seen(layer) + tokens
+
+    def _hybrid_inputs(self, embeds, attention_mask, position_ids, cache, kwargs: dict):
+        """The family forward's mask and positions, with the 2D padding mask passed on to the linear layers.
+
+        Without softmax layers, nothing needs a mask or a KV length, and the family's mask and position code
+        would look for one in the cache: positions come from the linear layers' own count, the mask is a
+        placeholder. Returns (attention_mask, position_ids) for the family's forward.
+        """
+        if attention_mask is not None and attention_mask.ndim == 2:
+            kwargs.setdefault(PADDING_KWARG, attention_mask)
+        if cache is not None and all(kind == LINEAR for kind in self.config.layer_types):
+            B, T = embeds.shape[:2]
+            if position_ids is None:
+                start = tokens_seen(cache.layers[0])
+                position_ids = torch.arange(start, start + T, device=embeds.device)[None]
+            attention_mask = torch.ones(B, 1, T, 1, dtype=torch.bool, device=embeds.device)
+        return attention_mask, position_ids
+
+    def _attentions_per_layer(self, out):
+        """`output_attentions` as one entry per layer: None for a linear layer, which makes no attention matrix."""
+        linear = [kind == LINEAR for kind in self.config.layer_types]
+        if out.attentions is not None and len(out.attentions) == linear.count(False) and any(linear):
+            recorded = iter(out.attentions)
+            out.attentions = tuple(None if is_linear else next(recorded) for is_linear in linear)
+        return out
+
+    def _check_cache(self, cache: Cache | None) -> None:
+        if cache is None:
+            return
+        kinds = self.config.layer_types
+        if not isinstance(cache, Cache) or len(cache.layers) != len(kinds) or any(
+            (kind == LINEAR) != isinstance(layer, LinearAttentionCacheLayerMixin) for kind, layer in zip(kinds, cache.layers)
+        ):
+            raise ValueError("this model's cache holds linear states: build it with DynamicCache(config=model.config)")
+
+
+def _is_public(cls: type) -> bool:
+    """Whether `cls` is `LinearizeModel` or `LinearizeForCausalLM` itself rather than one of their hybrid classes."""
+    return "family_mapping" in cls.__dict__
+
+
+class LinearizeModel(LinearizePreTrainedModel):
+    """The backbone, as the base family's `AutoModel` gives it (`LlamaModel`, ...): hidden states and the cache."""
+
+    family_mapping = "MODEL_MAPPING"
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]  # an export holds the causal LM: its head is not the backbone's
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ):
+        """The family's forward, with the hybrid cache, the padding mask for linear layers and per-layer attentions."""
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        self._check_cache(cache)
+        embeds = inputs_embeds if inputs_embeds is not None else input_ids
+        if cache is not None and attention_mask is not None and attention_mask.ndim == 2 and embeds is not None:
+            self._note_padding(cache, attention_mask, embeds.shape[1], kwargs)
+        attention_mask, position_ids = self._hybrid_inputs(embeds, attention_mask, position_ids, cache, kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        out = super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
+        out = self._attentions_per_layer(out)
+        return out if (getattr(self.config, "return_dict", True) if return_dict is None else return_dict) else out.to_tuple()
+
+
+class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
+    """The base family's causal LM (`LlamaForCausalLM`, ...) with the linear layers of `config.layer_types` converted."""
+
+    family_mapping = "MODEL_FOR_CAUSAL_LM_MAPPING"
+
+    def __init__(self, config: LinearizeConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.cpu_decode_layout = False  # large weights column-major for SplitGemvLinear, from the first CPU decoding step
+        self.compiled_step: Callable | None = None  # the decoding step's graph, once `compile_decoding` asks for it
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -1704,21 +1813,6 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             out = forward(*args, **kwargs)
         return out if (getattr(self.config, "return_dict", True) if return_dict is None else return_dict) else out.to_tuple()
 
-    def _note_padding(self, cache: Cache, attention_mask: torch.Tensor, tokens: int, kwargs: dict) -> None:
-        """Tell the linear layers whether the `tokens` new tokens may include padding.
-
-        On a CPU without autograd, a mask whose new tokens are all real is dropped (reading it is no
-        sync there), and the layers treat every token as real. Otherwise each linear layer's cache
-        records that real tokens start after these (`linearize_valid_since`): until the window has
-        moved past them, `LinearAttention._gla_step` reads and writes the ring's validity.
-        """
-        if not torch.is_grad_enabled() and attention_mask.device.type == "cpu" and bool(attention_mask[:, -tokens:].all()):
-            kwargs[PADDING_KWARG] = None
-            return
-        for attention in self.linear_attentions:
-            layer = cache.layers[attention.layer_idx]
-            layer.linearize_valid_since = tokens_seen(layer) + tokens
-
     def _step_writes_in_place(self, cache: Cache) -> bool:
         """Whether this decoding step can make no cache tensor: every linear layer takes `LinearAttention._gla_step`
         (state, ring and sinks settled, all written in place; other kinds store new states) and every softmax
@@ -1735,17 +1829,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
     def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep, **kwargs):
         """`forward` past its cache and layout set-up: what `compile_decoding` compiles."""
         embeds = inputs_embeds if inputs_embeds is not None else input_ids
-        linear = [kind == LINEAR for kind in self.config.layer_types]
-        if attention_mask is not None and attention_mask.ndim == 2:
-            kwargs.setdefault(PADDING_KWARG, attention_mask)
-        if cache is not None and all(linear):
-            # No softmax layer needs a mask or a KV length, and the family's mask and position code would look
-            # for one in the cache: positions come from the linear layers' own count, the mask is a placeholder.
-            B, T = embeds.shape[:2]
-            if position_ids is None:
-                start = tokens_seen(cache.layers[0])
-                position_ids = torch.arange(start, start + T, device=embeds.device)[None]
-            attention_mask = torch.ones(B, 1, T, 1, dtype=torch.bool, device=embeds.device)
+        attention_mask, position_ids = self._hybrid_inputs(embeds, attention_mask, position_ids, cache, kwargs)
         out = super().forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1758,10 +1842,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             return_dict=True,
             **kwargs,
         )
-        if out.attentions is not None and len(out.attentions) == linear.count(False) and any(linear):
-            recorded = iter(out.attentions)
-            out.attentions = tuple(None if is_linear else next(recorded) for is_linear in linear)
-        return out
+        return self._attentions_per_layer(out)
 
     def compile_decoding(self, **options) -> LinearizeForCausalLM:
         """Run every later decoding step (one token, a cache, no gradient) through one `torch.compile` graph.
@@ -1816,15 +1897,6 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             if isinstance(layer, LinearAttentionCacheLayerMixin)
         )
 
-    def _check_cache(self, cache: Cache | None) -> None:
-        if cache is None:
-            return
-        kinds = self.config.layer_types
-        if not isinstance(cache, Cache) or len(cache.layers) != len(kinds) or any(
-            (kind == LINEAR) != isinstance(layer, LinearAttentionCacheLayerMixin) for kind, layer in zip(kinds, cache.layers)
-        ):
-            raise ValueError("this model's cache holds linear states: build it with DynamicCache(config=model.config)")
-
     def generate(self, *args, **kwargs):
         """The family's generate; assisted decoding is refused, as a recurrent state cannot be rolled back."""
         config = kwargs.get("generation_config")
@@ -1839,4 +1911,4 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         return super().generate(*args, **kwargs)
 
 
-__all__ = ["LinearizeConfig", "LinearizeForCausalLM", "LinearAttention"]
+__all__ = ["LinearizeConfig", "LinearizeModel", "LinearizeForCausalLM", "LinearAttention"]

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from linearize.convert.card import markers
 from linearize.eval import quality as Q
 from linearize.eval.cli import eval_main, ppl_main
 from linearize.eval.tasks import build_tasks
@@ -89,7 +90,8 @@ def test_evaluate_writes_reports_and_model_card(dirs, tmp_path, monkeypatch):
     assert saved["rows"] == report["rows"] and saved["summary"] == report["summary"]
     card = (student / "README.md").read_text()
     assert card.startswith("# tiny\n\ncard text")
-    assert card.count(Q.BEGIN) == 1 and card.count(Q.END) == 1
+    begin, end = markers("eval")
+    assert card.count(begin) == 1 and card.count(end) == 1
     assert f"| {TASK} | acc_norm | 2 |" in card
     assert "| task | metric" in (student / "eval.md").read_text()
 
@@ -122,14 +124,6 @@ def test_compare_and_tables():
     rows, summary = Q.compare(student, None)
     assert rows[0]["ratio"] is None and summary["average_recovery"] is None
     Q.render_table(rows, summary)
-
-
-def test_model_card_block(tmp_path):
-    readme = tmp_path / "README.md"
-    Q.update_model_card(readme, "first")
-    Q.update_model_card(readme, "second")
-    text = readme.read_text()
-    assert "second" in text and "first" not in text and text.count(Q.BEGIN) == 1
 
 
 def test_eval_cli_input_errors(dirs, tmp_path, capsys):

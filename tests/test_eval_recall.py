@@ -12,6 +12,7 @@ import pytest
 import yaml
 from lm_eval.api.model import LM
 
+from linearize.convert.card import markers
 from linearize.convert import needles
 from linearize.eval import recall as R
 
@@ -211,7 +212,8 @@ def test_run_recall_on_tiny_llama(tiny_llama_dir, tmp_path, one_torch_thread, mo
     assert (student / "recall.png").stat().st_size > 0
     assert "| passkey | 256 |" in (student / "recall.md").read_text()
     card = (student / "README.md").read_text()
-    assert card.count(R.BEGIN) == 1 and card.count(R.END) == 1 and "eval table" in card
+    begin, end = markers("recall")
+    assert card.count(begin) == 1 and card.count(end) == 1 and "eval table" in card
 
 
 @pytest.mark.parametrize(

@@ -219,7 +219,7 @@ LOADER = textwrap.dedent(
         "top_ids": top.indices.tolist(),
         "top_values": top.values.tolist(),
         "class": type(model).__name__,
-        "family": type(model).__mro__[2].__name__,
+        "family": next(c.__name__ for c in type(model).__mro__ if c.__module__.startswith("transformers.models.")),
         "code_file": sys.modules[type(model).__module__].__file__,
         "missing": sorted(info["missing_keys"]),
         "unexpected": sorted(info["unexpected_keys"]),

@@ -310,7 +310,7 @@ def test_other_kinds_export_and_generate_alike(kind, tmp_path):
 def test_gemma3_multimodal_teacher_gives_its_text_decoder():
     student = student_of("gemma3")
     assert student.config.base_model_type == "gemma3_text"
-    assert type(student).__mro__[2].__name__ == "Gemma3ForCausalLM"
+    assert next(c for c in type(student).__mro__ if c.__module__.startswith("transformers.models.")).__name__ == "Gemma3ForCausalLM"
     assert student.config.layer_types == [LIN, FULL, LIN, FULL]  # layer 2 was sliding: now linear
     assert student.base_model.config.layer_types == SLIDING  # the family model keeps its own types
 

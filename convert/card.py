@@ -1,0 +1,216 @@
+"""The model card: the export's README.md, ready for the Hub.
+
+It opens with the Hub's front matter (base_model, license, pipeline_tag, library_name, tags), names
+the teacher by its own name, shows usage that runs as written (`trust_remote_code=True` wherever a
+loader reads the export's config, the chat template for instruct teachers), and ends with the
+measured tables. Each table sits in its own marked block: the conversion writes its report, and
+`linearize eval`, `ppl`, `recall` and `bench` each replace their block when they run again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Marked blocks in the order a first run of each verb adds them, with the heading each gets.
+SECTIONS = {
+    "conversion": "Conversion",
+    "perplexity": "Perplexity against context",
+    "eval": "Benchmarks",
+    "recall": "Long-context recall",
+    "bench": "Speed and memory",
+}
+HUB = "https://huggingface.co/"
+
+
+def markers(section: str) -> tuple[str, str]:
+    return f"<!-- linearize-{section} -->", f"<!-- /linearize-{section} -->"
+
+
+def teacher_facts(spec: str, chat_template: bool) -> dict[str, Any]:
+    """What the card says of the teacher: its name, its hub id and license where the source tells them, and
+    whether it is an instruct model with a chat template. Nothing here fails a conversion: an unknown fact is None."""
+    from .sources import EMBEDDED_HUB_IDS, EMBEDDED_PREFIX, _gguf_file, resolve
+
+    facts: dict[str, Any] = {"name": None, "hub_id": None, "license": None, "chat": chat_template}
+    try:
+        source = resolve(spec)
+    except (ValueError, OSError):  # a model in memory: its recorded name is all there is
+        return facts | {"name": Path(spec).name or None}
+    if source.kind in ("embedded", "gguf"):
+        gguf = _gguf_file(source)
+        hub_id = EMBEDDED_HUB_IDS.get(spec[len(EMBEDDED_PREFIX) :]) if source.kind == "embedded" else None
+        facts.update(hub_id=hub_id, name=hub_id.split("/")[-1] if hub_id else gguf.stem, license=_gguf_license(gguf))
+    elif source.kind == "hub":
+        facts.update(hub_id=spec, name=spec.split("/")[-1], license=_front_matter(_hub_readme(spec)).get("license"))
+    else:
+        front = _front_matter(Path(source.location) / "README.md")
+        base = front.get("base_model")
+        facts.update(
+            name=Path(source.location).resolve().name,
+            hub_id=base if isinstance(base, str) else None,
+            license=front.get("license"),
+        )
+    return facts
+
+
+def _gguf_license(path: Path) -> str | None:
+    """`general.license` from a GGUF file's metadata (no tensor is read)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(path)).fields.get("general.license")
+        return None if field is None else str(field.contents())
+    except Exception as err:  # a card without a license is better than a failed conversion
+        logger.info("could not read the GGUF license of %s: %s", path, err)
+        return None
+
+
+def _hub_readme(hub_id: str) -> Path | None:
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(hub_id, "README.md"))
+    except Exception as err:  # offline, gated, or no card: the export's card goes without the license
+        logger.info("could not read the model card of %s: %s", hub_id, err)
+        return None
+
+
+def _front_matter(readme: Path | None) -> dict[str, Any]:
+    """The YAML front matter of a model card, or {}."""
+    if readme is None or not readme.is_file():
+        return {}
+    import yaml
+
+    match = re.match(r"^---\s*\n(.*?)\n---\s*\n", readme.read_text(encoding="utf-8", errors="replace"), re.DOTALL)
+    try:
+        data = yaml.safe_load(match.group(1)) if match else None
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def model_id_for(output: Path) -> str:
+    """How the card's snippet names the export: the folder relative to where the conversion ran, if below it."""
+    try:
+        return str(output.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(output.resolve())
+
+
+def model_card(config: Any, teacher: dict[str, Any], model_id: str, recipe: str | None = None) -> str:
+    """The card's text before any measurement: front matter, what the model is, usage, how to publish it."""
+    settings = config.linear_attention
+    kinds = config.layer_types
+    linear = sum(k == "linear_attention" for k in kinds)
+    softmax = len(kinds) - linear
+    name = teacher.get("name") or config.linearize_teacher or config.base_model_type
+    kind = settings["kind"]
+    ratio = f"{linear}:{softmax}" if softmax else "all linear"
+    front = ["---"]
+    if teacher.get("hub_id"):
+        front.append(f"base_model: {teacher['hub_id']}")
+    if teacher.get("license"):
+        front.append(f"license: {teacher['license']}")
+    front += [
+        "pipeline_tag: text-generation",
+        "library_name: transformers",
+        "tags:",
+        *(f"- {tag}" for tag in ("linearize", "linear-attention", "hybrid-attention", kind)),
+        "---",
+    ]
+    teacher_ref = f"[{teacher['hub_id']}]({HUB}{teacher['hub_id']})" if teacher.get("hub_id") else f"`{name}`"
+    window = settings.get("window") or 0
+    local = (
+        f", with a {window}-token softmax window and {settings.get('sink') or 0} attention sinks inside each linear layer"
+        if window
+        else ""
+    )
+    plan = " ".join("L" if k == "linear_attention" else "S" for k in kinds)
+    body = [
+        f"# {name}, linearized ({kind.upper() if kind == 'gla' else kind}, {ratio})",
+        "",
+        f"A hybrid of {teacher_ref}: {linear} of its {len(kinds)} attention layers are linear attention "
+        f"({kind}, feature map {settings['feature_map']}, gate {settings['gate']}{local}); "
+        + {0: "no layer keeps softmax attention. ", 1: "the other keeps softmax attention. "}.get(
+            softmax, f"the other {softmax} keep softmax attention. "
+        )
+        + "A linear layer's cache is a fixed-size state, so its memory does not grow with the "
+        "context. Converted with `linearize`"
+        + (f" (recipe `{recipe}`; `recipe.yaml` in this folder repeats the run)." if recipe else "."),
+        "",
+        f"Layer plan (L linear, S softmax): `{plan}`",
+        "",
+        "## Usage",
+        "",
+        "The model's code ships in this folder: it needs `torch` and `transformers` (Triton optional) and",
+        "`trust_remote_code=True` wherever a loader reads its config.",
+        "",
+        "```python",
+        *_snippet(model_id, bool(teacher.get("chat"))),
+        "```",
+        "",
+        "The backbone alone (hidden states and the cache): "
+        f'`AutoModel.from_pretrained("{model_id}", trust_remote_code=True)`. '
+        "With lm-evaluation-harness: "
+        f"`lm_eval --model hf --model_args pretrained={model_id},trust_remote_code=True --tasks hellaswag`.",
+        "",
+        "## Publishing",
+        "",
+        f"`hf upload YOUR-NAME/{Path(model_id).name} {model_id} .` uploads this folder as a Hub model "
+        "(log in first with `hf auth login`); then load it by that repo id.",
+        "",
+        "## Results",
+        "",
+        "Measured by linearize; `linearize eval`, `ppl`, `recall` and `bench` add their tables here.",
+        "",
+    ]
+    return "\n".join(front + [""] + body)
+
+
+def _snippet(model_id: str, chat: bool) -> list[str]:
+    lines = [
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'model_id = "{model_id}"',
+        "tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=True)",
+        "model = AutoModelForCausalLM.from_pretrained(model_id, trust_remote_code=True)",
+        "",
+    ]
+    if chat:
+        lines += [
+            'messages = [{"role": "user", "content": "Explain what a hash table is in two sentences."}]',
+            "inputs = tokenizer.apply_chat_template(",
+            '    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True',
+            ")",
+        ]
+    else:
+        lines.append('inputs = tokenizer("The Python programming language", return_tensors="pt")')
+    lines += [
+        "output = model.generate(**inputs, max_new_tokens=64, do_sample=False)",
+        'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+    ]
+    return lines
+
+
+def update_section(folder: str | Path, section: str, markdown: str) -> None:
+    """Put `markdown` in the card's block `section`, replacing the block an earlier run wrote or appending it
+    under its heading; the card is replaced in one step."""
+    readme = Path(folder) / "README.md"
+    begin, end = markers(section)
+    block = f"{begin}\n{markdown.rstrip()}\n{end}"
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        text = (text.rstrip() + "\n\n" if text.strip() else "") + f"### {SECTIONS[section]}\n\n" + block + "\n"
+    tmp = readme.with_name(f".{readme.name}.{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(readme)
