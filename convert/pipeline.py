@@ -37,7 +37,7 @@ from .measure import perplexity
 from .plan import SCORED, describe, plan_layers
 from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_recipe_for
 from .retrieval import haystack_text, retrieval_scores
-from .sources import check_weights, load_config, load_model, materialize, resolve
+from .sources import check_weights, load_config, load_model, resolve
 from .swap import check_supported, linearize_model, new_parameters
 from .train import StageResult, attention_transfer, lora_finetune, measure_layer_errors
 
@@ -292,9 +292,9 @@ def check_inputs(
             data_lib.check_dataset(stage.dataset)
     if isinstance(teacher, str):
         source = resolve(teacher)
-        config = load_config(teacher)
-        if source.kind != "hub":
-            check_weights(materialize(source))
+        config = load_config(teacher)  # a GGUF's from its metadata: nothing is dequantized here
+        if source.kind == "local":
+            check_weights(source.location)
     else:
         config = teacher.config
     check_supported(config)

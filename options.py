@@ -1,0 +1,68 @@
+"""The spellings every verb shares: its parser's one-line errors, lists, dtypes.
+
+Imports nothing heavy, so `--help` and argument errors answer before torch loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+T = TypeVar("T")
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_HELP = "auto, float32, bfloat16 or float16 (bf16, fp16, fp32 also accepted)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose refusals are one line on stderr (`PROG: error: ...`), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}: see {self.prog} --help\n")
+
+
+def dtype_name(text: str) -> str:
+    """A --dtype value as torch names it: `bf16` -> `bfloat16`; an argparse type, so every verb takes the same words."""
+    name = DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unsupported --dtype {text!r}: use {DTYPE_HELP}")
+    return name
+
+
+def split_list(text: str) -> list[str]:
+    """'a,b', 'a, b' and 'a b' -> ['a', 'b']: commas as lm-eval writes lists, spaces accepted too."""
+    return [item for item in re.split(r"[,\s]+", text) if item]
+
+
+class ListOption(argparse.Action):
+    """A list flag in any verb: `a,b`, `'a, b'`, `a, b` and `a b` all store the string 'a,b'."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        kwargs.setdefault("nargs", "+")
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, ",".join(split_list(" ".join(values))))
+
+
+def parse_list(
+    text: str, flag: str, cast: Callable[[str], T] = str, example: str = "0,1,2", allow_empty: bool = False
+) -> list[T]:
+    """A list flag's items, cast; a well-formed list (non-empty unless allowed) or a one-line error naming its form."""
+    try:
+        values = [cast(item) for item in split_list(text)]
+    except ValueError:
+        raise ValueError(f"malformed list {text!r} for {flag}: use comma-separated values, e.g. {example}") from None
+    if not values and not allow_empty:
+        raise ValueError(f"{flag} is empty: give comma-separated values, e.g. {example}")
+    return values
+
+
+def fail(prog: str, message: str) -> int:
+    """Print a refusal as its one line and return the exit code for it."""
+    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return 2
