@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from linearize.eval import models as M
 from linearize.eval import quality as Q
 from linearize.eval import recall as R
 from linearize.eval.cli import bench_main, bench_parser, eval_main, eval_parser, ppl_main, ppl_parser, recall_parser
 from linearize.eval.tasks import build_tasks, resolve_task_names
+from linearize.options import split_list
 
 TASK = "arc_easy"
 HUB_TEACHER = "someorg/tiny-teacher"  # never downloaded: from_pretrained is stubbed where it is used
@@ -50,10 +51,17 @@ def record_loads(monkeypatch, tiny_llama_dir):
     """Record the kwargs of every AutoModelForCausalLM / AutoTokenizer.from_pretrained call, by location.
 
     Anything without weights (HUB_TEACHER, a config-only export folder) is served from the tiny Llama
-    folder, so a "hub" teacher loads without a network.
+    folder, so a "hub" teacher loads without a network; HUB_TEACHER's config (read by the checks
+    before any work) too, unrecorded.
     """
     calls: list[tuple[str, str, dict]] = []
     real_model, real_tok = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
+    real_config = AutoConfig.from_pretrained
+    monkeypatch.setattr(
+        AutoConfig,
+        "from_pretrained",
+        lambda location, *a, **kw: real_config(tiny_llama_dir if str(location) == HUB_TEACHER else location, *a, **kw),
+    )
 
     def fake(kind, real):
         def from_pretrained(location, *args, **kwargs):
@@ -70,10 +78,10 @@ def record_loads(monkeypatch, tiny_llama_dir):
 
 def test_tasks_take_commas_spaces_and_mixtures(tmp_path):
     parse = eval_parser().parse_args
-    assert resolve_task_names(parse(["d", "--tasks", "arc_easy,piqa"]).tasks) == ["arc_easy", "piqa"]
-    assert resolve_task_names(parse(["d", "--tasks", "arc_easy", "piqa"]).tasks) == ["arc_easy", "piqa"]
+    assert resolve_task_names(split_list(parse(["d", "--tasks", "arc_easy,piqa"]).tasks)) == ["arc_easy", "piqa"]
+    assert resolve_task_names(split_list(parse(["d", "--tasks", "arc_easy", "piqa"]).tasks)) == ["arc_easy", "piqa"]
     mixed = parse(["d", "--tasks", "arc_easy,piqa_local", "hellaswag", "winogrande,", "piqa"]).tasks
-    assert resolve_task_names(mixed) == ["arc_easy", "piqa", "hellaswag", "winogrande"]
+    assert resolve_task_names(split_list(mixed)) == ["arc_easy", "piqa", "hellaswag", "winogrande"]
     assert resolve_task_names(["arc_easy, piqa"]) == ["arc_easy", "piqa"]
     with pytest.raises(ValueError, match=r"unknown task 'mmlu'.*hellaswag"):
         resolve_task_names(["arc_easy,mmlu"])
@@ -128,11 +136,18 @@ def test_resolve_device_dtype(monkeypatch):
     ],
 )
 def test_bad_options_are_one_line_errors(student, argv, message, capsys):
-    assert eval_main([str(student), "--skip-context", *argv]) == 2
+    def code(main, argv):
+        """The exit code, whether the verb returns it or its parser exits (argparse's own refusals)."""
+        try:
+            return main(argv)
+        except SystemExit as exc:
+            return exc.code
+
+    assert code(eval_main, [str(student), "--skip-context", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("linearize eval: error: ") and message in err and err.count("\n") == 1
     if "--tasks" not in argv:
-        assert bench_main([str(student), "--skip-teacher", *argv]) == 2
+        assert code(bench_main, [str(student), "--skip-teacher", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("linearize bench: error: ") and message in err and err.count("\n") == 1
 
@@ -212,3 +227,157 @@ def test_lm_eval_model_args_trust_only_linearize_exports(run, tiny_llama_dir, ex
         f"pretrained={tiny_llama_dir},trust_remote_code=True,dtype=bfloat16",
         f"pretrained={export_dir},trust_remote_code=True,dtype=float32",
     ]
+
+
+# ---- one list syntax, one dtype vocabulary, in every verb -------------------------------------------
+
+
+def _kernel_parser():
+    from linearize.eval.kernel_bench import _parser
+
+    return _parser()
+
+
+def _convert_parser():
+    from linearize.convert.cli import convert_parser
+
+    return convert_parser()
+
+
+LIST_FLAGS = [
+    (eval_parser, ["d"], "--tasks"),
+    (eval_parser, ["d"], "--contexts"),
+    (eval_parser, ["d"], "--texts"),
+    (bench_parser, ["d"], "--contexts"),
+    (bench_parser, ["d"], "--batch-sizes"),
+    (ppl_parser, ["m"], "--contexts"),
+    (ppl_parser, ["m"], "--text-file"),
+    (recall_parser, ["d"], "--lengths"),
+    (recall_parser, ["d"], "--depths"),
+    (recall_parser, ["d"], "--tasks"),
+    (_kernel_parser, [], "--seq-lens"),
+    (_kernel_parser, [], "--head-dims"),
+    (_kernel_parser, [], "--decode-contexts"),
+    (_convert_parser, [], "--linear-layers"),
+    (_convert_parser, [], "--keep-softmax"),
+    (_convert_parser, [], "--lora-targets"),
+    (_convert_parser, [], "--seq-len"),
+]
+
+
+@pytest.mark.parametrize("make, positional, flag", LIST_FLAGS)
+def test_every_list_flag_takes_commas_and_spaces(make, positional, flag):
+    dest = flag[2:].replace("-", "_")
+    for spelling in (["512,1024"], ["512, 1024"], ["512,", "1024"], ["512", "1024"], ["512 1024"]):
+        assert getattr(make().parse_args([*positional, flag, *spelling]), dest) == "512,1024", spelling
+
+
+@pytest.mark.parametrize("make, positional", [(eval_parser, ["d"]), (bench_parser, ["d"]), (ppl_parser, ["m"]),
+                                              (recall_parser, ["d"]), (_kernel_parser, []), (_convert_parser, [])])  # fmt: skip
+def test_every_verb_takes_torch_dtype_names_and_the_short_aliases(make, positional, capsys):
+    for given, name in (("bf16", "bfloat16"), ("FP16", "float16"), ("fp32", "float32"), ("bfloat16", "bfloat16"), ("auto", "auto")):
+        assert make().parse_args([*positional, "--dtype", given]).dtype == name
+    with pytest.raises(SystemExit) as exc:
+        make().parse_args([*positional, "--dtype", "int8"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unsupported --dtype 'int8': use auto, float32, bfloat16 or float16" in err
+
+
+def test_kernel_bench_lists_and_dtype_reach_the_run(monkeypatch, tmp_path):
+    from linearize.eval import kernel_bench as K
+
+    seen = {}
+
+    def prefill(args, device, dtype):
+        seen.update(seq_lens=args.seq_lens, head_dims=args.head_dims, contexts=args.decode_contexts, dtype=dtype)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(K, "bench_prefill", prefill)
+    with pytest.raises(SystemExit):
+        K.kernel_bench_main(["--device", "cpu", "--seq-lens", "64, 128", "--head-dims", "16", "--decode-contexts", "",
+                             "--dtype", "bf16", "--threads", "1", "--out", str(tmp_path)])  # fmt: skip
+    assert seen == {"seq_lens": [64, 128], "head_dims": [16], "contexts": [], "dtype": torch.bfloat16}
+
+
+# ---- every check before any model work ----------------------------------------------------------------
+
+
+@pytest.fixture
+def no_model_work(monkeypatch):
+    """Any benchmark run or model load fails the test: the checks must refuse first."""
+    from linearize.eval import bench as B
+    from linearize.eval import perplexity as P
+
+    def work(*args, **kwargs):
+        raise AssertionError("model work started before the arguments were checked")
+
+    for module, name in ((Q, "run_lm_eval"), (Q, "evaluate"), (R, "run_recall"), (B, "run_bench"), (M, "load"),
+                         (P, "context_report"), (AutoModelForCausalLM, "from_pretrained")):  # fmt: skip
+        monkeypatch.setattr(module, name, work)
+
+
+@pytest.mark.parametrize("main", [eval_main, bench_main, "recall", ppl_main])
+def test_a_missing_teacher_is_refused_before_any_work(main, student, no_model_work, capsys, tmp_path):
+    from linearize.eval.cli import recall_main
+
+    main = recall_main if main == "recall" else main
+    code = main([str(student), "--teacher", str(tmp_path / "nonexistent"), "--device", "cpu"])
+    assert code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert f"model folder '{tmp_path / 'nonexistent'}' not found: check the path" in captured.err
+
+
+def test_a_corrupt_recorded_teacher_is_refused_before_the_student_runs(student, tiny_llama_dir, tmp_path, no_model_work, capsys):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_llama_dir, teacher)
+    (teacher / "model.safetensors").write_bytes(b"not safetensors" * 4)
+    cfg = json.loads((student / "config.json").read_text())
+    (student / "config.json").write_text(json.dumps({**cfg, M.TEACHER_KEY: str(teacher)}))
+    assert eval_main([str(student), "--device", "cpu"]) == 2
+    assert "model.safetensors' is corrupt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "main, argv, message",
+    [
+        (eval_main, ["--tasks", "arc_easy,mmlu"], "unknown task 'mmlu'"),
+        (eval_main, ["--contexts", "512,x"], "bad --contexts '512,x'"),
+        (eval_main, ["--texts", "pydoc,nope"], "unknown held-out text 'nope'"),
+        (bench_main, ["--batch-sizes", "0"], "bad --batch-sizes '0'"),
+        (bench_main, ["--decode-tokens", "-1"], "bad --decode-tokens -1"),
+        ("recall", ["--depths", "0,150"], "bad --depths '0,150'"),
+        ("recall", ["--samples", "0"], "bad --samples 0"),
+        ("recall", ["--tasks", "passkey,nope"], "unknown recall task 'nope'"),
+        (ppl_main, ["--contexts", "a"], "bad --contexts 'a'"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_work(main, argv, message, student, no_model_work, capsys):
+    from linearize.eval.cli import recall_main
+
+    main = recall_main if main == "recall" else main
+    assert main([str(student), "--device", "cpu", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err
+
+
+# ---- no stray lines --------------------------------------------------------------------------------------
+
+
+def test_lm_eval_outside_a_git_checkout_prints_no_git_error(tmp_path, monkeypatch, capfd):
+    import lm_eval.evaluator
+    from lm_eval.loggers.utils import get_git_commit_hash
+
+    from linearize.eval.cli import _quiet_lm_eval
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed: nothing to print")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    monkeypatch.setattr(lm_eval.evaluator, "get_git_commit_hash", get_git_commit_hash)  # lm-eval's own
+    lm_eval.evaluator.get_git_commit_hash()
+    assert "fatal: not a git repository" in capfd.readouterr().err  # what lm-eval's own lookup prints
+    _quiet_lm_eval()
+    assert lm_eval.evaluator.get_git_commit_hash() is None
+    assert capfd.readouterr().err == ""
