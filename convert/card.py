@@ -36,7 +36,7 @@ def markers(section: str) -> tuple[str, str]:
 def teacher_facts(spec: str, chat_template: bool) -> dict[str, Any]:
     """What the card says of the teacher: its name, its hub id and license where the source tells them, and
     whether it is an instruct model with a chat template. Nothing here fails a conversion: an unknown fact is None."""
-    from .sources import EMBEDDED_HUB_IDS, EMBEDDED_PREFIX, _gguf_file, resolve
+    from .sources import EMBEDDED_HUB_IDS, _gguf_file, resolve
 
     facts: dict[str, Any] = {"name": None, "hub_id": None, "license": None, "chat": chat_template}
     try:
@@ -45,7 +45,7 @@ def teacher_facts(spec: str, chat_template: bool) -> dict[str, Any]:
         return facts | {"name": Path(spec).name or None}
     if source.kind in ("embedded", "gguf"):
         gguf = _gguf_file(source)
-        hub_id = EMBEDDED_HUB_IDS.get(spec[len(EMBEDDED_PREFIX) :]) if source.kind == "embedded" else None
+        hub_id = EMBEDDED_HUB_IDS.get(source.location) if source.kind == "embedded" else None
         facts.update(hub_id=hub_id, name=hub_id.split("/")[-1] if hub_id else gguf.stem, license=_gguf_license(gguf))
     elif source.kind == "hub":
         facts.update(hub_id=spec, name=spec.split("/")[-1], license=_front_matter(_hub_readme(spec)).get("license"))

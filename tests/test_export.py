@@ -340,3 +340,30 @@ def test_convert_does_not_import_eval():
 
     code = "import sys, linearize.convert.pipeline, linearize.convert.cli; print(any(m.startswith('linearize.eval') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_real_export_card_snippet_generates(real_export, tmp_path):
+    """The card of a real instruct export, its snippet copied as it stands: a chat reply, with no prompt, no
+    linearize and standard input closed."""
+    from test_user_path import PROMPT, front_matter, run_isolated, snippet
+
+    _, tokenizer, student, folder = real_export
+    card = (folder / "README.md").read_text()
+    meta = front_matter(card)
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and meta["license"] == "apache-2.0"
+    assert card.count("\n# SmolLM2-135M-Instruct, linearized (GLA, 3:27)\n") == 1
+    code = snippet(card)
+    assert "apply_chat_template" in code
+    proc = run_isolated(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert PROMPT not in proc.stdout + proc.stderr
+    # what the student in this process replies to the snippet's message (this export is untrained: any reply)
+    message = re.search(r'"content": "(.*?)"', code).group(1)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        ids = student.generate(**inputs, max_new_tokens=64, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+    assert len(ids) == 64 or ids[-1] == tokenizer.eos_token_id
+    assert proc.stdout == tokenizer.decode(ids, skip_special_tokens=True) + "\n"
