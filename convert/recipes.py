@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from ..modeling.configuration_linearize import LINEAR_ATTENTION_DEFAULTS, validate_linear_attention
+from ..options import dtype_name
 from .data import is_offline
 from .plan import PLACEMENTS, parse_ratio
 
@@ -208,8 +209,7 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
         if not lengths or any(n < 2 for n in lengths):
             raise ValueError(f"recipe key '{name}.seq_len' must be a length >= 2 or a list of them, got {lengths!r}")
     _check_numbers(recipe)
-    if recipe.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ValueError(f"recipe key 'dtype' must be auto, float32, bfloat16 or float16, got {recipe.dtype!r}")
+    recipe.dtype = dtype_name(recipe.dtype, "recipe key 'dtype'")  # the words --dtype takes: bf16 is bfloat16
     validate_linear_attention(recipe.linear_attention())
     return recipe
 
@@ -240,19 +240,22 @@ def _check_numbers(recipe: Recipe) -> None:
     for key, (low, flag) in LIMITS.items():
         section, leaf = key.split(".")
         value = getattr(getattr(recipe, section), leaf)
-        if value is not None and value < low:
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if value is not None and not (finite and value >= low):
             where = f"{flag} (recipe key {key!r})" if flag else f"recipe key {key!r}"
-            raise ValueError(f"{where} must be at least {low}, got {value!r}")
+            must = f"at least {low}" if finite else f"a finite number >= {low}"
+            raise ValueError(f"{where} must be {must}, got {value!r}")
     for name, flag in (("transfer", "--transfer-lr"), ("finetune", "--finetune-lr")):
         lr = getattr(recipe, name).lr
-        if not lr > 0:
-            raise ValueError(f"{flag} (recipe key '{name}.lr') must be positive, got {lr!r}")
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"{flag} (recipe key '{name}.lr') must be a positive finite number, got {lr!r}")
     if recipe.layers.ratio is not None:
         parse_ratio(recipe.layers.ratio)
-    for key, flag in (("linear_layers", "--linear-layers"), ("keep_softmax", "--keep-softmax")):
+    for key, flag in (("linear_layers", "--linear-layers"), ("keep_softmax", "--keep-softmax"), ("measured", None)):
         negative = [i for i in getattr(recipe.layers, key) or [] if i < 0]
         if negative:
-            raise ValueError(f"{flag} (recipe key 'layers.{key}') has negative index {negative[0]}: layers count from 0")
+            where = f"{flag} (recipe key 'layers.{key}')" if flag else f"recipe key 'layers.{key}'"
+            raise ValueError(f"{where} has negative index {negative[0]}: layers count from 0")
     for name in ("transfer", "finetune"):
         stage = getattr(recipe, name)
         if stage.tokens and stage.split != "train" and is_offline(stage.dataset):
