@@ -214,3 +214,45 @@ def update_section(folder: str | Path, section: str, markdown: str) -> None:
     tmp = readme.with_name(f".{readme.name}.{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(readme)
+
+
+def conversion_markdown(report: dict[str, Any]) -> str:
+    """The conversion's measurements for the card: held-out perplexity before and after, the stages, memory."""
+    ppl = report.get("perplexity") or {}
+    parts = []
+    if ppl:
+        teacher = ppl.get("teacher")
+        rows = [("teacher", "teacher"), ("zero_shot", "student before training"), ("student", "student")]
+        table = ["| model | perplexity | × teacher |", "|---|---:|---:|"]
+        for key, label in rows:
+            if key in ppl:
+                ratio = f"{ppl[key] / teacher:.3f}" if teacher else "-"
+                table.append(f"| {label} | {ppl[key]:.3f} | {ratio} |")
+        parts.append(
+            f"Held-out perplexity: {report.get('heldout_tokens', 0):,} tokens of the last tenth of CPython's pydoc "
+            f"topics, which no stage trains on, in {report.get('heldout_seq_len', 0):,}-token windows.\n\n" + "\n".join(table)
+        )
+    stages = report.get("stages") or {}
+    if stages:
+        table = ["| stage | tokens | time | final loss |", "|---|---:|---:|---:|"]
+        for name, stage in stages.items():
+            loss = "-" if stage.get("final_loss") is None else f"{stage['final_loss']:.4g}"
+            table.append(f"| {name} | {stage['tokens']:,} | {stage['seconds']:.0f} s | {loss} |")
+        parts.append("\n".join(table))
+    facts = []
+    scores = {int(i): v for i, v in (report.get("retrieval_scores") or {}).items()}
+    kept = [i for i, kind in enumerate(report.get("layer_types") or []) if kind != "linear_attention"]
+    if scores and kept:
+        ranked = sorted(kept, key=lambda i: -scores[i])
+        facts.append("Softmax layers kept (the teacher's retrieval score): " + ", ".join(f"{i} ({scores[i]:.2f})" for i in ranked) + ".")
+    memory = report.get("memory") or {}
+    if memory:
+        facts.append(
+            f"Peak memory ({memory['kind']}): {memory['peak_bytes'] / 2**30:.2f} GiB, "
+            f"{memory['peak_over_weights']:.2f}x the weights' {memory['weight_bytes'] / 2**30:.2f} GiB."
+        )
+    if report.get("seconds"):
+        facts.append(f"Total time: {report['seconds']:.0f} s.")
+    if facts:
+        parts.append(" ".join(facts))
+    return "\n\n".join(parts) + "\n"

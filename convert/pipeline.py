@@ -30,7 +30,7 @@ from ..modeling.families import text_config
 from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
 from .budget import parameter_count, peak_rss_bytes, weight_bytes
-from .card import model_card, model_id_for, teacher_facts, update_section
+from .card import conversion_markdown, model_card, model_id_for, teacher_facts, update_section
 from .export import check_output, check_space, export
 from .parallel import sharding_requested
 from .measure import perplexity
@@ -61,6 +61,7 @@ class ConversionReport:
     layer_types: list[str]
     perplexity: dict[str, float] = field(default_factory=dict)  # teacher, zero_shot, student
     heldout_tokens: int = 0
+    heldout_seq_len: int = 0
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     layer_errors: dict[str, float] = field(default_factory=dict)  # measured placement's ranking
     retrieval_scores: dict[str, float] = field(default_factory=dict)  # retrieval placement's ranking
@@ -98,10 +99,6 @@ class ConversionReport:
             )
         rows.append(("total time", f"{self.seconds:.0f} s"))
         return rows
-
-    def markdown(self) -> str:
-        lines = ["| metric | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in self.rows()]
-        return "\n".join(lines) + "\n"
 
 
 def apply_overrides(recipe: Recipe, overrides: dict[str, Any]) -> Recipe:
@@ -454,7 +451,7 @@ def write_export(
         (folder / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
         (folder / "recipe.yaml").write_text(report.recipe_yaml)
         plot_losses(results, folder / "loss.png")
-        update_section(folder, "conversion", report.markdown())
+        update_section(folder, "conversion", conversion_markdown(report.to_dict()))
 
     export(student, tokenizer, output, overwrite=True, model_card=card, extras=write_report)
     if work is not None:
@@ -512,6 +509,7 @@ def convert(
         layer_errors={str(k): v for k, v in sorted(selection.layer_errors.items())},
         retrieval_scores={str(k): v for k, v in sorted(selection.retrieval_scores.items())},
         heldout_tokens=recipe.eval.heldout_tokens,
+        heldout_seq_len=recipe.eval.heldout_seq_len,
         output=None if output is None else str(output),
     )
     ppl = {} if work is None else dict(work.get("perplexity") or {})

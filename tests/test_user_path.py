@@ -240,3 +240,23 @@ def test_bench_markdown_for_the_card():
     md = markdown_table(report)
     assert "| 1024 | 1 | 0.50 | 1.25 | 40.0 | 2.50 | 3.0 | 0.250 | 0.90 |" in md
     assert "--contexts 1024 --batch-sizes 1" in md
+
+
+def test_conversion_section_from_the_report():
+    from linearize.convert.card import conversion_markdown
+
+    report = {
+        "perplexity": {"teacher": 10.0, "zero_shot": 12.5, "student": 10.2},
+        "heldout_tokens": 16384, "heldout_seq_len": 2048,
+        "stages": {"transfer": {"tokens": 40960, "seconds": 512.4, "final_loss": 0.38}},
+        "layer_types": [LIN, FULL, LIN, FULL], "retrieval_scores": {"0": 0.1, "1": 0.2, "2": 0.3, "3": 0.9},
+        "memory": {"kind": "rss", "peak_bytes": 5 * 2**30, "weight_bytes": 2**29, "peak_over_weights": 10.0},
+        "seconds": 900.2, "resolved": "/root/.cache/linearize/private-path",
+    }  # fmt: skip
+    md = conversion_markdown(report)
+    assert "| student before training | 12.500 | 1.250 |" in md and "| student | 10.200 | 1.020 |" in md
+    assert "16,384 tokens" in md and "2,048-token windows" in md
+    assert "| transfer | 40,960 | 512 s | 0.38 |" in md
+    assert "retrieval score): 3 (0.90), 1 (0.20)." in md
+    assert "5.00 GiB, 10.00x the weights' 0.50 GiB" in md and "Total time: 900 s." in md
+    assert "/root" not in md
