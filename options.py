@@ -25,11 +25,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}: see {self.prog} --help\n")
 
 
-def dtype_name(text: str) -> str:
-    """A --dtype value as torch names it: `bf16` -> `bfloat16`; an argparse type, so every verb takes the same words."""
-    name = DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
+class DtypeError(argparse.ArgumentTypeError, ValueError):
+    """An unknown dtype: argparse shows its message as is; library callers catch a ValueError."""
+
+
+def dtype_name(text: str, what: str = "--dtype") -> str:
+    """A dtype as torch names it (`bf16` -> `bfloat16`): the argparse type of every verb's --dtype, and the recipe's key."""
+    name = DTYPE_ALIASES.get(str(text).strip().lower(), str(text).strip().lower())
     if name not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unsupported --dtype {text!r}: use {DTYPE_HELP}")
+        raise DtypeError(f"{what} must be {DTYPE_HELP}, got {text!r}")
     return name
 
 

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from ..modeling.configuration_linearize import LINEAR_ATTENTION_DEFAULTS, validate_linear_attention
+from ..options import dtype_name
 from .data import is_offline
 from .plan import PLACEMENTS, parse_ratio
 
@@ -208,8 +209,7 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
         if not lengths or any(n < 2 for n in lengths):
             raise ValueError(f"recipe key '{name}.seq_len' must be a length >= 2 or a list of them, got {lengths!r}")
     _check_numbers(recipe)
-    if recipe.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ValueError(f"recipe key 'dtype' must be auto, float32, bfloat16 or float16, got {recipe.dtype!r}")
+    recipe.dtype = dtype_name(recipe.dtype, "recipe key 'dtype'")  # the words --dtype takes: bf16 is bfloat16
     validate_linear_attention(recipe.linear_attention())
     return recipe
 
