@@ -29,11 +29,14 @@ class DtypeError(argparse.ArgumentTypeError, ValueError):
     """An unknown dtype: argparse shows its message as is; library callers catch a ValueError."""
 
 
-def dtype_name(text: str, what: str = "--dtype") -> str:
-    """A dtype as torch names it (`bf16` -> `bfloat16`): the argparse type of every verb's --dtype, and the recipe's key."""
+def dtype_name(text: str, what: str | None = None) -> str:
+    """A dtype as torch names it (`bf16` -> `bfloat16`): the argparse type of every verb's --dtype, and the recipe's key.
+
+    `what` names the setting in the error; argparse names the flag itself.
+    """
     name = DTYPE_ALIASES.get(str(text).strip().lower(), str(text).strip().lower())
     if name not in DTYPES:
-        raise DtypeError(f"{what} must be {DTYPE_HELP}, got {text!r}")
+        raise DtypeError(f"{what} must be {DTYPE_HELP}, got {text!r}" if what else f"{text!r} is not a dtype: use {DTYPE_HELP}")
     return name
 
 

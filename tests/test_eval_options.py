@@ -130,7 +130,7 @@ def test_resolve_device_dtype(monkeypatch):
     "argv, message",
     [
         (["--device", "tpu"], "unsupported --device 'tpu'"),
-        (["--dtype", "int8"], "--dtype must be auto, float32, bfloat16 or float16 (bf16, fp16, fp32 also accepted), got 'int8'"),
+        (["--dtype", "int8"], "argument --dtype: 'int8' is not a dtype: use auto, float32, bfloat16 or float16 (bf16, fp16, fp32"),
         (["--tasks", "arc_easy,mmlu"], "unknown task 'mmlu'"),
         (["--tasks", ","], "no task named"),
     ],
@@ -281,7 +281,7 @@ def test_every_verb_takes_torch_dtype_names_and_the_short_aliases(make, position
         make().parse_args([*positional, "--dtype", "int8"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--dtype must be auto, float32, bfloat16 or float16 (bf16, fp16, fp32 also accepted), got 'int8'" in err
+    assert err.count("\n") == 1 and "argument --dtype: 'int8' is not a dtype: use auto, float32, bfloat16 or float16 (bf16, fp16, fp32 also accepted)" in err
 
 
 def test_a_recipe_takes_the_same_dtype_words():
