@@ -307,8 +307,8 @@ def _sliding_ppl(args: argparse.Namespace) -> int:
 
     windows(2, args.seq_len, args.stride)  # fail on bad --seq-len/--stride before loading anything
     device, dtype = resolve_device_dtype(args.device, args.dtype)
-    text = load_text(split_list(args.text_file), args.dataset, args.dataset_config, args.split, args.text_field)
     _check_models(args, args.model, converted=False)
+    text = load_text(split_list(args.text_file), args.dataset, args.dataset_config, args.split, args.text_field)
     model, tokenizer, location = load(args.model, device=device, dtype=dtype, trust_remote_code=args.trust_remote_code)
     if tokenizer is None:
         raise FileNotFoundError(f"{location!r} has no tokenizer: save one next to the model")
