@@ -18,8 +18,21 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_HELP = "auto, float32, bfloat16 or float16 (bf16, fp16, fp32 also accepted)"
 
 
+class _ListUsage(argparse.HelpFormatter):
+    """Shows a list flag as `--flag A,B` in the usage line, not argparse's `--flag A [A ...]`."""
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if isinstance(action, ListOption):
+            return self._metavar_formatter(action, default_metavar)(1)[0]
+        return super()._format_args(action, default_metavar)
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose refusals are one line on stderr (`PROG: error: ...`), exit code 2."""
+
+    def __init__(self, *args, formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter, **kwargs) -> None:
+        formatter = type("Formatter", (_ListUsage, formatter_class), {})
+        super().__init__(*args, formatter_class=formatter, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}: see {self.prog} --help\n")
