@@ -179,19 +179,60 @@ def _lora_parameters(student: torch.nn.Module, recipe) -> int:
     return total
 
 
-def dry_run(recipe, device: torch.device) -> dict:
-    """The plan built on the meta device, with parameter counts and estimated peak memory and time per stage.
+GIB = 2**30
+# CPU: what the process holds before the teacher loads (Python, torch, transformers, tokenizer, data):
+# 0.43-0.55 GiB RSS measured on this project's runs.
+RUNTIME_BYTES = GIB // 2
+# CPU without --low-memory: glibc keeps freed blocks in its heap, so each stage's transients stay
+# resident after it; RSS ends near the sum of the stages' transients, not their maximum. With
+# --low-memory every large block is unmapped when freed and RSS follows the working set.
+HEAP_RETAINED_STAGES = ("retrieval probe", "perplexity", "transfer", "finetune")
+# Measured time over the FLOP estimate at the dry run's own matmul throughput, per stage, on the
+# 2-core CPU these figures were calibrated on (small matmuls, softmax, the chunked scans and Python
+# run well below a 1024-square matmul). GPUs are not calibrated: their figures stay lower bounds.
+CPU_SLOWDOWN = {"retrieval probe": 1.0, "perplexity": 1.0, "transfer": 1.0, "finetune": 1.0, "export": 1.0}
 
-    Memory: the frozen weights once (the student shares the teacher's), new and LoRA parameters with
-    fp32 masters, gradients and AdamW moments, and each stage's activations. Time: the stages' FLOPs
-    over this device's measured matmul throughput, so a lower bound; the measured figures come in
-    `report.json`.
+
+def _inference_bytes(base: PretrainedConfig, tokens: int, size: int) -> int:
+    """Transient bytes of one no-grad forward over `tokens` tokens: one layer's tensors at a time (the
+    residual, q/k/v, attention output, the MLP's inner tensors) and its attention scores where they are
+    materialized (eager or math attention: heads x tokens^2 in fp32)."""
+    h = base.hidden_size
+    heads = base.num_attention_heads
+    head_dim = getattr(base, "head_dim", None) or h // heads
+    kv = (getattr(base, "num_key_value_heads", None) or heads) * head_dim
+    inner = getattr(base, "intermediate_size", None) or 4 * h
+    per_layer = tokens * size * (4 * h + 2 * heads * head_dim + 2 * kv + 3 * inner)
+    return per_layer + 2 * heads * tokens * tokens * 4
+
+
+def _attention_flops(base: PretrainedConfig, tokens: int, linear: int, window: int) -> float:
+    """Forward FLOPs of the attention itself (scores and weighted sum) per token at `tokens` tokens of context:
+    causal softmax layers see tokens/2 keys on average, linear layers their window plus a state update."""
+    heads = base.num_attention_heads
+    head_dim = getattr(base, "head_dim", None) or base.hidden_size // heads
+    softmax = base.num_hidden_layers - linear
+    seen = min(window, tokens) if window else 0
+    return 4 * heads * head_dim * (softmax * tokens / 2 + linear * (seen + 4 * head_dim))
+
+
+def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dict:
+    """The plan built on the meta device, with parameter counts and the estimated peak memory and time of each stage.
+
+    Memory, per stage: the weights (the student shares the teacher's), the trained parameters with fp32
+    masters, gradients and AdamW moments, the activations a pass keeps at the stage's longest row, and
+    its transients (the KL teacher's forward, the loss's logit chunks, the export's serialized copy).
+    On a CPU the figure is the process's RSS: the runtime's own memory on top, and without
+    `low_memory` the transients glibc keeps after each stage (`HEAP_RETAINED_STAGES`); `None` decides
+    as the CLI does. On a GPU it is the allocated bytes, as `report.json` measures them. Time: each
+    stage's FLOPs over this device's measured matmul throughput, times the CPU slowdowns measured
+    on this project's runs; the measured figures come in `report.json`.
     """
     from transformers import AutoModelForCausalLM
 
     from ..modeling.configuration_linearize import LINEAR
     from .plan import SCORED, describe, plan_layers
-    from .retrieval import probe_token_count
+    from .retrieval import probe_length, probe_token_count
     from .sources import load_config
     from .swap import linearize_model, new_parameters
     from .train import LOSS_CHUNK_TOKENS
@@ -199,6 +240,7 @@ def dry_run(recipe, device: torch.device) -> dict:
     config = load_config(recipe.model)
     base = text_config(config)
     dtype = recipe.torch_dtype(device)
+    size = dtype.itemsize
     n_layers = base.num_hidden_layers
     layers = recipe.layers
     linear = layers.linear_layers or (layers.measured if layers.placement in SCORED else None)
@@ -207,58 +249,106 @@ def dry_run(recipe, device: torch.device) -> dict:
     with torch.device("meta"):
         teacher = AutoModelForCausalLM.from_config(config, dtype=dtype)
     student = linearize_model(teacher, types, recipe.linear_attention())
-    total = sum(p.numel() for p in teacher.parameters())
-    embed = teacher.get_input_embeddings().weight.numel()
-    head = teacher.get_output_embeddings().weight.numel()
+    # Distinct tensors: a tied head is the embedding, counted (and subtracted from the body) once.
+    params = {id(p): p for p in teacher.parameters()}
+    total = sum(p.numel() for p in params.values())
+    embed_weight = teacher.get_input_embeddings().weight
+    head_weight = teacher.get_output_embeddings().weight
+    head = head_weight.numel()
+    body = total - embed_weight.numel() - (0 if head_weight is embed_weight else head)
     new = sum(p.numel() for p in new_parameters(student).values())
     lora = _lora_parameters(student, recipe) if recipe.finetune.tokens else 0
-    weights = sum(p.numel() * p.element_size() for p in teacher.parameters())
+    weights = total * size
     n_linear = types.count(LINEAR)
     h = base.hidden_size
-    transfer_tokens = recipe.transfer.batch_size * recipe.transfer.seq_lens[0]
-    finetune_tokens = recipe.finetune.batch_size * recipe.finetune.seq_lens[0]
-    transfer_pass, transfer_per_token = transfer_memory_plan(student, recipe.transfer, weights)
-    transfer_act = transfer_per_token * min(transfer_tokens, transfer_pass)
-    checkpointed, finetune_pass, finetune_per_token = finetune_memory_plan(student, recipe.finetune, weights)
-    finetune_act = finetune_per_token * min(finetune_tokens, finetune_pass) + 3 * LOSS_CHUNK_TOKENS * base.vocab_size * 4
-    stage1 = weights + 16 * new + transfer_act if recipe.transfer.tokens else weights
-    stage2 = weights + 16 * lora + finetune_act if recipe.finetune.tokens else weights
-    peak = max(stage1, stage2)
-    body = total - embed - head
+    window = recipe.attention.window
+    cpu = device.type != "cuda"
+    if low_memory is None:
+        low_memory = cpu and needs_low_memory(weights)
+    transfer, finetune = recipe.transfer, recipe.finetune
+    transfers = bool(transfer.tokens and new)  # stage 1 is skipped when the layers have nothing to train
+
+    # Memory: what each stage holds above the weights (transients), then the peak.
+    transfer_pass, transfer_per_token = transfer_memory_plan(student, transfer, weights)
+    transfer_rows = max(min(transfer.batch_size * transfer.seq_lens[0], transfer_pass), max(transfer.seq_lens))
+    checkpointed, finetune_pass, finetune_per_token = finetune_memory_plan(student, finetune, weights)
+    finetune_longest = max(finetune.seq_lens)
+    finetune_rows = max(min(finetune.batch_size * finetune.seq_lens[0], finetune_pass), finetune_longest)
+    loss_chunks = 3 * LOSS_CHUNK_TOKENS * base.vocab_size * 4
+    probe_tokens = probe_length(window, getattr(base, "max_position_embeddings", None))
+    scored = layers.placement == "retrieval" and not linear
+    extra = {
+        "retrieval probe": _inference_bytes(base, probe_tokens, size) if scored else 0,
+        "perplexity": _inference_bytes(base, recipe.eval.heldout_seq_len, size) + loss_chunks
+        if recipe.eval.heldout_tokens
+        else 0,
+        "transfer": 16 * new + transfer_per_token * transfer_rows if transfers else 0,
+        "finetune": 16 * lora
+        + finetune_per_token * finetune_rows
+        + _inference_bytes(base, finetune_longest, size)
+        + loss_chunks
+        if finetune.tokens
+        else 0,
+        "export": weights,  # safetensors serializes each tensor to bytes before writing
+    }
+    runtime = RUNTIME_BYTES if cpu else 0
+    heap = cpu and not low_memory
+    memory, retained = {}, 0
+    for name, value in extra.items():
+        if value:
+            retained += value if heap and name in HEAP_RETAINED_STAGES else 0
+            memory[name] = runtime + weights + (retained if heap and name in HEAP_RETAINED_STAGES else value)
+    if heap:
+        memory["export"] += retained
+    peak = max(memory.values(), default=runtime + weights)
+
+    # Time: FLOPs of each stage over the measured matmul throughput.
     flops = matmul_flops(device, dtype)
-    kl = recipe.finetune.loss == "kl"
-    per_token = {
-        "transfer": 2 * body * (1 + 0.25 * n_linear / n_layers) + 6 * new,
-        "finetune": 2 * (body + head) * (2 + kl + checkpointed) + 6 * lora,
+    kl = finetune.loss == "kl"
+    transfer_len = sum(transfer.seq_lens) / len(transfer.seq_lens)
+    finetune_len = sum(finetune.seq_lens) / len(finetune.seq_lens)
+    forward = {  # forward FLOPs per token
+        "probe": 2 * body + _attention_flops(base, probe_tokens, 0, 0),
+        "perplexity": 2 * (body + head) + _attention_flops(base, recipe.eval.heldout_seq_len, 0, 0),
+        "transfer": 2 * body
+        + _attention_flops(base, transfer_len, 0, 0)  # the teacher's softmax output each linear layer matches
+        + _attention_flops(base, transfer_len, n_linear, window),
+        "student": 2 * body + _attention_flops(base, finetune_len, n_linear, window),
+        "teacher": 2 * body + _attention_flops(base, finetune_len, 0, 0),
     }
-    probed = probe_token_count(recipe.attention.window, getattr(base, "max_position_embeddings", None))
+    heldout = recipe.eval.heldout_tokens
     seconds = {
-        "measuring pass": per_token["transfer"] * min(8192, recipe.transfer.tokens or 8192) / flops
-        if layers.placement == "measured" and not linear
+        "retrieval probe": forward["probe"] * probe_token_count(window, getattr(base, "max_position_embeddings", None))
+        if scored
         else 0.0,
-        "retrieval probe": 2 * body * probed / flops if layers.placement == "retrieval" and not linear else 0.0,
-        "transfer": per_token["transfer"] * recipe.transfer.tokens / flops,
-        "finetune": per_token["finetune"] * recipe.finetune.tokens / flops,
-        "perplexity": 3 * 2 * (body + head) * recipe.eval.heldout_tokens / flops,
+        "perplexity": 3 * forward["perplexity"] * heldout,  # teacher, untrained and trained student
+        # stage 1's backward reaches only the new parameters' inputs: about one more forward
+        "transfer": (2 * forward["transfer"] + 6 * new) * transfer.tokens * transfers,
+        # forward, backward (twice a forward) and a recomputed forward when checkpointed, plus the KL teacher's forward
+        "finetune": ((3 + checkpointed) * forward["student"] + kl * forward["teacher"] + 6 * lora
+        + (2 + kl) * 2 * head) * finetune.tokens,
     }
+    seconds = {name: value / flops * (CPU_SLOWDOWN[name] if cpu else 1.0) for name, value in seconds.items()}
     plan = describe(types)
     if layers.placement in SCORED and not linear:
         plan += f" ({layers.placement} placement: the softmax layers are chosen when the run scores them; shown spread)"
-    gib = 2**30
+    where = "RSS" if cpu else "allocated"
+    mode = (", --low-memory" if low_memory else ", glibc's default heap") if cpu else ""
     rows = [
         ("model config", f"{base.model_type}, {n_layers} layers, hidden {h}, vocab {base.vocab_size}"),
         ("layer plan (L linear, S softmax)", plan),
-        ("parameters", f"{total / 1e9:.3f} B ({weights / gib:.2f} GiB in {str(dtype).removeprefix('torch.')})"),
+        ("parameters", f"{total / 1e9:.3f} B ({weights / GIB:.2f} GiB in {str(dtype).removeprefix('torch.')})"),
         ("new parameters (stage 1 trains)", f"{new / 1e6:.2f} M"),
-        ("LoRA parameters (stage 2 trains)", f"{lora / 1e6:.2f} M (rank {recipe.finetune.lora_rank})"),
+        ("LoRA parameters (stage 2 trains)", f"{lora / 1e6:.2f} M (rank {finetune.lora_rank})"),
         ("activation checkpointing (finetune)", "on" if checkpointed else "off"),
-        ("estimated peak memory, transfer", f"{stage1 / gib:.2f} GiB ({stage1 / weights:.2f}x the weights)"),
-        ("estimated peak memory, finetune", f"{stage2 / gib:.2f} GiB ({stage2 / weights:.2f}x the weights)"),
-        ("device throughput (measured matmul)", f"{flops / 1e12:.2f} TFLOP/s on {device}"),
     ]
+    for name, value in memory.items():
+        rows.append((f"estimated memory, {name}", f"{value / GIB:.2f} GiB {where}"))
+    rows.append((f"estimated peak memory ({where}{mode})", f"{peak / GIB:.2f} GiB ({peak / weights:.1f}x the weights)"))
+    rows.append(("device throughput (measured matmul)", f"{flops / 1e12:.2f} TFLOP/s on {device}"))
     for name, value in seconds.items():
         if value:
-            rows.append((f"estimated time, {name}", f">= {_duration(value)}"))
+            rows.append((f"estimated time, {name}", ("~ " if cpu else ">= ") + _duration(value)))
     return {
         "rows": rows,
         "layer_types": types,
@@ -266,7 +356,9 @@ def dry_run(recipe, device: torch.device) -> dict:
         "new_parameters": new,
         "lora_parameters": lora,
         "weight_bytes": weights,
+        "memory": memory,
         "peak_bytes": peak,
+        "low_memory": low_memory,
         "seconds": seconds,
         "gradient_checkpointing": checkpointed,
     }

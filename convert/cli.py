@@ -289,7 +289,7 @@ def convert_main(argv: list[str]) -> int:
         from .budget import dry_run
 
         if main:
-            _render_dry_run(dry_run(recipe, accelerator.device), console)
+            _render_dry_run(dry_run(recipe, accelerator.device, low_memory=args.low_memory or None), console)
         return 0
     if not torch.cuda.is_available():
         from .budget import needs_low_memory, parameter_count, return_freed_memory

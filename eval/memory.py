@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     Console().print(table)
     if args.json:
         figures = {"hidden": args.hidden, "layers": args.layers, "processes": args.processes, "fsdp": args.fsdp}
-        Path(args.json).write_text(json.dumps({**figures, **memory, "weight_bytes_per_process": held}, indent=1))
+        seconds = {"seconds": report["seconds"], "stage_seconds": {name: stage["seconds"] for name, stage in report["stages"].items()}}
+        Path(args.json).write_text(json.dumps({**figures, **memory, **seconds, "weight_bytes_per_process": held}, indent=1))
     return 0
 
 

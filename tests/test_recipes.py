@@ -286,36 +286,6 @@ def test_generic_budgets_scale_with_size_and_device():
     assert 2_000_000 <= generic_budget(1_000_000_000, accelerated=True) < generic_budget(8_000_000_000, accelerated=True)
 
 
-BIG = {  # shipped recipe -> (parameters in billions, layers, its config's family)
-    "llama-3.1-8b-gla": (8.030, 32, "llama"),
-    "mistral-7b-gla": (7.248, 32, "mistral"),
-    "qwen2.5-7b-gla": (7.616, 28, "qwen2"),
-    "llama-3.2-1b-gla": (1.236, 16, "llama"),
-}
-
-
-@pytest.mark.parametrize("name", list(BIG))
-def test_dry_run_plans_each_big_recipe_on_the_meta_device(name, monkeypatch):
-    import huggingface_hub.constants
-
-    from linearize.convert.budget import dry_run
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the shipped config copy is used
-    billions, layers, family = BIG[name]
-    recipe = shipped_recipes()[name]
-    plan = dry_run(recipe, torch.device("cpu"))
-    assert plan["parameters"] / 1e9 == pytest.approx(billions, abs=1e-3)
-    assert len(plan["layer_types"]) == layers
-    assert plan["layer_types"].count("linear_attention") == layers * 3 // 4  # 3:1, spread
-    assert 0 < plan["new_parameters"] < 0.01 * plan["parameters"]
-    assert 0 < plan["lora_parameters"] < 0.01 * plan["parameters"]
-    assert plan["weight_bytes"] == plan["parameters"] * 4  # fp32 on a CPU (auto dtype)
-    assert plan["weight_bytes"] < plan["peak_bytes"] < 3 * plan["weight_bytes"]
-    assert plan["seconds"]["transfer"] > 0 and plan["seconds"]["finetune"] > 0
-    rows = dict(plan["rows"])
-    assert rows["model config"].startswith(f"{family}, {layers} layers")
-
-
 def test_dry_run_from_the_cli_loads_and_writes_nothing(linearize_main, tmp_path, monkeypatch):
     import huggingface_hub.constants
     import transformers
@@ -330,7 +300,7 @@ def test_dry_run_from_the_cli_loads_and_writes_nothing(linearize_main, tmp_path,
     code, out, err = linearize_main("--recipe", "llama-3.1-8b-gla", "--dry-run", "--ratio", "1:1")
     assert code == 0, err
     assert "linearize --dry-run" in out and "8.030 B" in out and "LSLSLS" in out.replace("\n", "")
-    assert "estimated peak memory, finetune" in out and "estimated time, transfer" in out
+    assert "estimated memory, finetune" in out and "estimated peak memory" in out and "estimated time, transfer" in out
     assert "name: llama-3.1-8b-gla" in out  # the effective recipe, printed as YAML
     assert list(tmp_path.iterdir()) == []
 
