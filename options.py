@@ -16,6 +16,7 @@ T = TypeVar("T")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_HELP = "auto, float32, bfloat16 or float16 (bf16, fp16, fp32 also accepted)"
+NEGATIVE_VALUE = re.compile(r"^-[\d.]")  # a flag's value, not a flag: -1, -1e-4, -.5, -1,2
 
 
 class _ListUsage(argparse.HelpFormatter):
@@ -33,6 +34,19 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter, **kwargs) -> None:
         formatter = type("Formatter", (_ListUsage, formatter_class), {})
         super().__init__(*args, formatter_class=formatter, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Reads `--flag -1` and `--flag -1e-4,2` as the value -1 and -1e-4,2: argparse alone takes a value
+        that starts with '-' and is no plain number for another flag, and says the flag has no argument."""
+        args = list(sys.argv[1:] if args is None else args)
+        takes_value = {o for a in self._actions if a.option_strings and a.nargs != 0 for o in a.option_strings}
+        joined: list[str] = []
+        for arg in args:
+            if joined and joined[-1] in takes_value and NEGATIVE_VALUE.match(arg):
+                joined[-1] = f"{joined[-1]}={arg}"
+            else:
+                joined.append(arg)
+        return super().parse_known_args(joined, namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}: see {self.prog} --help\n")
