@@ -186,11 +186,12 @@ RUNTIME_BYTES = GIB // 2
 # CPU without --low-memory: glibc keeps freed blocks in its heap, so each stage's transients stay
 # resident after it; RSS ends near the sum of the stages' transients, not their maximum. With
 # --low-memory every large block is unmapped when freed and RSS follows the working set.
-HEAP_RETAINED_STAGES = ("retrieval probe", "perplexity", "transfer", "finetune")
-# Measured time over the FLOP estimate at the dry run's own matmul throughput, per stage, on the
-# 2-core CPU these figures were calibrated on (small matmuls, softmax, the chunked scans and Python
-# run well below a 1024-square matmul). GPUs are not calibrated: their figures stay lower bounds.
-CPU_SLOWDOWN = {"retrieval probe": 1.0, "perplexity": 1.0, "transfer": 1.0, "finetune": 1.0, "export": 1.0}
+HEAP_RETAINED_STAGES = ("dequantize (first run)", "retrieval probe", "perplexity", "transfer", "finetune")
+# A CPU stage's measured time over its FLOPs at the dry run's own matmul throughput (small and
+# memory-bound ops, the chunked scans and Python run well below a 1024-square matmul): 1.9-4.5 per stage
+# (2.5 typical) on this project's shared 2-core CPU, for the embedded conversion and the memory
+# benchmark's. GPUs are not calibrated: their figures stay lower bounds.
+CPU_SLOWDOWN = 2.5
 
 
 def _inference_bytes(base: PretrainedConfig, tokens: int, size: int) -> int:
@@ -221,19 +222,19 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
 
     Memory, per stage: the weights (the student shares the teacher's), the trained parameters with fp32
     masters, gradients and AdamW moments, the activations a pass keeps at the stage's longest row, and
-    its transients (the KL teacher's forward, the loss's logit chunks, the export's serialized copy).
-    On a CPU the figure is the process's RSS: the runtime's own memory on top, and without
-    `low_memory` the transients glibc keeps after each stage (`HEAP_RETAINED_STAGES`); `None` decides
-    as the CLI does. On a GPU it is the allocated bytes, as `report.json` measures them. Time: each
-    stage's FLOPs over this device's measured matmul throughput, times the CPU slowdowns measured
-    on this project's runs; the measured figures come in `report.json`.
+    its transients (a GGUF's dequantization, the KL teacher's forward, the loss's logit chunks, the
+    export's serialized copy). On a CPU the figure is the process's RSS: the runtime's own memory on
+    top, and without `low_memory` the transients glibc keeps after each stage (`HEAP_RETAINED_STAGES`);
+    `None` decides as the CLI does. On a GPU it is the allocated bytes, as `report.json` measures them.
+    Time: each stage's FLOPs over this device's matmul throughput, measured now (so a busy machine
+    gets longer estimates), times `CPU_SLOWDOWN` on a CPU; the measured figures come in `report.json`.
     """
     from transformers import AutoModelForCausalLM
 
     from ..modeling.configuration_linearize import LINEAR
     from .plan import SCORED, describe, plan_layers
     from .retrieval import probe_length, probe_token_count
-    from .sources import load_config
+    from .sources import load_config, resolve
     from .swap import linearize_model, new_parameters
     from .train import LOSS_CHUNK_TOKENS
 
@@ -278,6 +279,8 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     probe_tokens = probe_length(window, getattr(base, "max_position_embeddings", None))
     scored = layers.placement == "retrieval" and not linear
     extra = {
+        # a GGUF teacher is dequantized into the cache on its first run: the model in fp32 and its serialized copy
+        "dequantize (first run)": weights if cpu and resolve(recipe.model).kind in ("embedded", "gguf") else 0,
         "retrieval probe": _inference_bytes(base, probe_tokens, size) if scored else 0,
         "perplexity": _inference_bytes(base, recipe.eval.heldout_seq_len, size) + loss_chunks
         if recipe.eval.heldout_tokens
@@ -329,7 +332,7 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
         "finetune": ((3 + checkpointed) * forward["student"] + kl * forward["teacher"] + 6 * lora
         + (2 + kl) * 2 * head) * finetune.tokens,
     }
-    seconds = {name: value / flops * (CPU_SLOWDOWN[name] if cpu else 1.0) for name, value in seconds.items()}
+    seconds = {name: value / flops * (CPU_SLOWDOWN if cpu else 1.0) for name, value in seconds.items()}
     plan = describe(types)
     if layers.placement in SCORED and not linear:
         plan += f" ({layers.placement} placement: the softmax layers are chosen when the run scores them; shown spread)"
