@@ -286,8 +286,10 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
         if recipe.eval.heldout_tokens
         else 0,
         "transfer": 16 * new + transfer_per_token * transfer_rows if transfers else 0,
+        # recomputed, each layer's linear path exists only while that layer runs backward (measured
+        # on the memory benchmark: well below the transfer's per-feature values)
         "finetune": 16 * lora
-        + finetune_per_token * finetune_rows
+        + (activation_bytes(config, finetune_rows, dtype, True) if checkpointed else finetune_per_token * finetune_rows)
         + _inference_bytes(base, finetune_longest, size)
         + loss_chunks
         if finetune.tokens
