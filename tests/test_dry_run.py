@@ -130,7 +130,7 @@ def test_a_tied_head_is_counted_once_and_every_time_is_positive(tmp_path, offlin
 
 
 def test_the_heap_and_the_device_change_the_peak_as_measured(tmp_path, offline):
-    """CPU: glibc's heap keeps every stage's transients (their sum), --low-memory holds one stage's at a time;
+    """CPU: glibc's heap keeps every stage's transients (their sum, fragmented), --low-memory holds one stage's at a time;
     both on top of the runtime. GPU: allocated bytes in bf16, no runtime."""
     params = _tied_llama(tmp_path)
     recipe = _recipe(str(tmp_path), transfer=4096, finetune=4096)
@@ -141,8 +141,9 @@ def test_the_heap_and_the_device_change_the_peak_as_measured(tmp_path, offline):
     assert low["peak_bytes"] == budget.RUNTIME_BYTES + weights + max(stages.values())
     assert stages["export"] == weights  # the serialized copy
     retained = sum(stages.get(name, 0) for name in budget.HEAP_RETAINED_STAGES)
-    assert fast["memory"]["finetune"] == budget.RUNTIME_BYTES + weights + retained
-    assert fast["memory"]["export"] == budget.RUNTIME_BYTES + weights + max(retained, weights)  # in the heap's free blocks
+    kept = int(budget.HEAP_RETENTION * retained)
+    assert fast["memory"]["finetune"] == budget.RUNTIME_BYTES + weights + kept
+    assert fast["memory"]["export"] == budget.RUNTIME_BYTES + weights + max(kept, weights)  # in the heap's free blocks
     assert low["memory"]["export"] == budget.RUNTIME_BYTES + 2 * weights
     assert fast["peak_bytes"] == max(fast["memory"].values()) >= low["peak_bytes"]
     gpu = budget.dry_run(recipe, torch.device("cuda"), low_memory=False)
