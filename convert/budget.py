@@ -185,13 +185,13 @@ GIB = 2**30
 RUNTIME_BYTES = GIB // 2
 # CPU without --low-memory: glibc keeps freed blocks in its heap, so each stage's transients stay
 # resident after it, fragmented: RSS grows with the sum of the stages' transients, times
-# HEAP_RETENTION (fitted on the two measured runs: 1.5x on the memory benchmark's random Llama, 2.75x
+# HEAP_RETENTION (fitted on the two measured runs: 1.5x on the memory benchmark's random Llama, 2.6x
 # on the embedded SmolLM2, whose smaller tensors stay under glibc's 32 MiB mmap threshold). With
 # --low-memory every large block is unmapped when freed and RSS follows the working set.
 HEAP_RETAINED_STAGES = ("dequantize (first run)", "retrieval probe", "perplexity", "transfer", "finetune")
 HEAP_RETENTION = 2.0
 # A CPU stage's measured time over its FLOPs at the dry run's own matmul throughput (small and
-# memory-bound ops, the chunked scans and Python run well below a 1024-square matmul): 1.9-4.5 per stage
+# memory-bound ops, the chunked scans and Python run well below a 1024-square matmul): 1.9-5.3 per stage
 # (2.5 typical) on this project's shared 2-core CPU, for the embedded conversion and the memory
 # benchmark's. GPUs are not calibrated: their figures stay lower bounds.
 CPU_SLOWDOWN = 2.5
