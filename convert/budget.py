@@ -190,11 +190,13 @@ RUNTIME_BYTES = GIB // 2
 # --low-memory every large block is unmapped when freed and RSS follows the working set.
 HEAP_RETAINED_STAGES = ("dequantize (first run)", "retrieval probe", "perplexity", "transfer", "finetune")
 HEAP_RETENTION = 2.0
-# A CPU stage's measured time over its FLOPs at the dry run's own matmul throughput (small and
-# memory-bound ops, the chunked scans and Python run well below a 1024-square matmul): 1.9-5.3 per stage
-# (2.5 typical) on this project's shared 2-core CPU, for the embedded conversion and the memory
-# benchmark's. GPUs are not calibrated: their figures stay lower bounds.
-CPU_SLOWDOWN = 2.5
+# A CPU stage's measured time over its FLOPs at the dry run's own matmul throughput, per stage, on an
+# idle 2-core CPU (the embedded conversion and the memory benchmark agree within 25%): stage 2 runs at
+# half the rate of a plain forward (activation recomputation, LoRA's extra products, the window's small
+# blocks), the retrieval probe's attention read-out costs 60% more. On a busy machine the throughput
+# measured at planning time is lower too, but not by as much as the run slows. GPUs are not
+# calibrated: their figures stay lower bounds.
+CPU_SLOWDOWN = {"retrieval probe": 1.6, "perplexity": 1.0, "transfer": 1.0, "finetune": 2.0}
 
 
 def _inference_bytes(base: PretrainedConfig, tokens: int, size: int) -> int:
@@ -230,7 +232,7 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     top, and without `low_memory` the transients glibc keeps after each stage (`HEAP_RETAINED_STAGES`);
     `None` decides as the CLI does. On a GPU it is the allocated bytes, as `report.json` measures them.
     Time: each stage's FLOPs over this device's matmul throughput, measured now (so a busy machine
-    gets longer estimates), times `CPU_SLOWDOWN` on a CPU; the measured figures come in `report.json`.
+    gets longer estimates), times the stage's `CPU_SLOWDOWN` on a CPU; the measured figures come in `report.json`.
     """
     from transformers import AutoModelForCausalLM
 
@@ -338,7 +340,7 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
         "finetune": ((3 + checkpointed) * forward["student"] + kl * forward["teacher"] + 6 * lora
         + (2 + kl) * 2 * head) * finetune.tokens,
     }
-    seconds = {name: value / flops * (CPU_SLOWDOWN if cpu else 1.0) for name, value in seconds.items()}
+    seconds = {name: value / flops * (CPU_SLOWDOWN.get(name, 1.0) if cpu else 1.0) for name, value in seconds.items()}
     plan = describe(types)
     if layers.placement in SCORED and not linear:
         plan += f" ({layers.placement} placement: the softmax layers are chosen when the run scores them; shown spread)"

@@ -112,7 +112,6 @@ def model_card(config: Any, teacher: dict[str, Any], model_id: str, recipe: str 
     softmax = len(kinds) - linear
     name = teacher.get("name") or config.linearize_teacher or config.base_model_type
     kind = settings["kind"]
-    ratio = f"{linear}:{softmax}" if softmax else "all linear"
     front = ["---"]
     if teacher.get("hub_id"):
         front.append(f"base_model: {teacher['hub_id']}")
@@ -134,7 +133,7 @@ def model_card(config: Any, teacher: dict[str, Any], model_id: str, recipe: str 
     )
     plan = " ".join("L" if k == "linear_attention" else "S" for k in kinds)
     body = [
-        f"# {name}, linearized ({kind.upper() if kind == 'gla' else kind}, {ratio})",
+        f"# {name}, linearized ({kind.upper() if kind == 'gla' else kind}, {linear} of {len(kinds)} layers linear)",
         "",
         f"A hybrid of {teacher_ref}: {linear} of its {len(kinds)} attention layers are linear attention "
         f"({kind}, feature map {settings['feature_map']}, gate {settings['gate']}{local}); "

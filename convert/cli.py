@@ -121,7 +121,7 @@ def convert_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--low-memory",
         action="store_true",
-        help="CPU: return freed memory to the OS at once (peak RSS ~2.4x the weights instead of ~4.6x, ~1.7x slower); "
+        help="CPU: return freed memory to the OS at once: a lower peak RSS, a slower run (docs/scale.md has both measured); "
         "on by itself when ~5x the weights would exceed half the free RAM",
     )
     out.add_argument(

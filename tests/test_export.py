@@ -352,7 +352,7 @@ def test_real_export_card_snippet_generates(real_export, tmp_path):
     card = (folder / "README.md").read_text()
     meta = front_matter(card)
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and meta["license"] == "apache-2.0"
-    assert card.count("\n# SmolLM2-135M-Instruct, linearized (GLA, 3:27)\n") == 1
+    assert card.count("\n# SmolLM2-135M-Instruct, linearized (GLA, 3 of 30 layers linear)\n") == 1
     code = snippet(card)
     assert "apply_chat_template" in code
     proc = run_isolated(code, tmp_path)

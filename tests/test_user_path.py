@@ -194,7 +194,7 @@ def test_model_card_front_matter_and_title(tiny_llama_dir, tmp_path):
     assert meta["pipeline_tag"] == "text-generation" and meta["library_name"] == "transformers"
     assert {"linearize", "linear-attention", "gla"} <= set(meta["tags"])
     title = next(line for line in card.splitlines() if line.startswith("# "))
-    assert title == "# My-Teacher-1B, linearized (GLA, 3:1)"
+    assert title == "# My-Teacher-1B, linearized (GLA, 3 of 4 layers linear)"
     assert str(tmp_path) not in card
     code = snippet(card)
     assert 'tokenizer("The Python programming language"' in code and "apply_chat_template" not in code
