@@ -212,7 +212,9 @@ def test_convert_a_model_in_memory(tiny_llama_dir, tmp_path):
     assert set(report.perplexity) == {"teacher", "zero_shot", "student"}
     assert report.resolved == str(tiny_llama_dir)
     assert report.model != "embedded:smollm2-135m-instruct"  # the teacher given, not the recipe's default model
-    assert str(tiny_llama_dir) in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"\n# {tiny_llama_dir.name}, linearized (GLA, 3 of 4 layers linear)\n" in card  # the teacher given, by name
+    assert str(tiny_llama_dir) not in card  # and no local path
     # the teacher itself is left as it was
     for name, value in teacher.state_dict().items():
         assert torch.equal(value, before[name]), name
