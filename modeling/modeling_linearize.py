@@ -1642,14 +1642,26 @@ class LinearizePreTrainedModel(PreTrainedModel):
         elif isinstance(module, LinearAttention) and hasattr(module, "window_factor"):
             init.constant_(module.window_factor, WINDOW_FACTOR_INIT)
 
-    def _note_padding(self, cache: Cache, attention_mask: torch.Tensor, tokens: int, kwargs: dict) -> None:
-        """Tell the linear layers whether the `tokens` new tokens may include padding.
+    def _hybrid_cache(self, cache: Cache | None, use_cache: bool | None) -> Cache | None:
+        """The cache a forward runs with: a new `DynamicCache` of this config's layer types when one is asked
+        for and none is given (its linear layers hold states), or the given one, checked."""
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        self._check_cache(cache)
+        return cache
+
+    def _note_padding(self, cache: Cache | None, attention_mask: torch.Tensor | None, embeds, kwargs: dict) -> None:
+        """Tell the linear layers whether the new tokens of `embeds` (ids or embeddings) may include padding.
 
         On a CPU without autograd, a mask whose new tokens are all real is dropped (reading it is no
         sync there), and the layers treat every token as real. Otherwise each linear layer's cache
         records that real tokens start after these (`linearize_valid_since`): until the window has
         moved past them, `LinearAttention._gla_step` reads and writes the ring's validity.
         """
+        if cache is None or attention_mask is None or attention_mask.ndim != 2 or embeds is None:
+            return
+        tokens = embeds.shape[1]
         if not torch.is_grad_enabled() and attention_mask.device.type == "cpu" and bool(attention_mask[:, -tokens:].all()):
             kwargs[PADDING_KWARG] = None
             return
@@ -1715,13 +1727,9 @@ class LinearizeModel(LinearizePreTrainedModel):
         **kwargs,
     ):
         """The family's forward, with the hybrid cache, the padding mask for linear layers and per-layer attentions."""
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        self._check_cache(cache)
+        cache = self._hybrid_cache(cache, use_cache)
         embeds = inputs_embeds if inputs_embeds is not None else input_ids
-        if cache is not None and attention_mask is not None and attention_mask.ndim == 2 and embeds is not None:
-            self._note_padding(cache, attention_mask, embeds.shape[1], kwargs)
+        self._note_padding(cache, attention_mask, embeds, kwargs)
         attention_mask, position_ids = self._hybrid_inputs(embeds, attention_mask, position_ids, cache, kwargs)
         return_dict = kwargs.pop("return_dict", None)
         out = super().forward(
@@ -1768,9 +1776,7 @@ class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
         out for `SplitGemvLinear` first.
         """
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        self._check_cache(cache)
+        cache = self._hybrid_cache(cache, use_cache)
         if cache is not None:
             reserve_softmax_layers(cache)
         embeds = inputs_embeds if inputs_embeds is not None else input_ids
@@ -1794,8 +1800,7 @@ class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
                 for layer in cache.layers:  # the token's room, made outside inference mode
                     if isinstance(layer, ReservedDynamicLayer):
                         layer.reserve(1)
-        if cache is not None and attention_mask is not None and attention_mask.ndim == 2 and embeds is not None:
-            self._note_padding(cache, attention_mask, embeds.shape[1], kwargs)
+        self._note_padding(cache, attention_mask, embeds, kwargs)
         return_dict = kwargs.pop("return_dict", None)
         args = (input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep)
         if in_place:
