@@ -260,3 +260,20 @@ def test_conversion_section_from_the_report():
     assert "retrieval score): 3 (0.90), 1 (0.20)." in md
     assert "5.00 GiB, 10.00x the weights' 0.50 GiB" in md and "Total time: 900 s." in md
     assert "/root" not in md
+
+
+def test_ppl_puts_its_table_in_the_card(tiny_export, tmp_path):
+    """`linearize ppl` on an export fills the card's perplexity block, and a second run replaces it."""
+    import shutil
+
+    from linearize.eval.cli import ppl_main
+
+    folder = tmp_path / "export"
+    shutil.copytree(tiny_export[2], folder)
+    for contexts in ("16,32", "16"):
+        assert ppl_main([str(folder), "--skip-teacher", "--contexts", contexts, "--context-tokens", "64", "--texts", "pydoc"]) == 0
+    card = (folder / "README.md").read_text()
+    begin, end = markers("perplexity")
+    block = card[card.index(begin) : card.index(end)]
+    assert card.count(begin) == 1 and "| 16 | 64 | - |" in block and "| 32 |" not in block
+    assert (folder / "context.json").is_file()
