@@ -283,11 +283,13 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     loss_chunks = 3 * LOSS_CHUNK_TOKENS * base.vocab_size * 4
     probe_tokens = probe_length(window, getattr(base, "max_position_embeddings", None))
     scored = layers.placement == "retrieval" and not linear
+    limit = getattr(base, "max_position_embeddings", None) or recipe.eval.heldout_seq_len
+    heldout_lengths = sorted({n for n in (*recipe.eval.contexts, recipe.eval.heldout_seq_len) if n <= limit})
     extra = {
         # a GGUF teacher is dequantized into the cache on its first run: the model in fp32 and its serialized copy
         "dequantize (first run)": weights if cpu and resolve(recipe.model).kind in ("embedded", "gguf") else 0,
         "retrieval probe": _inference_bytes(base, probe_tokens, size) if scored else 0,
-        "perplexity": _inference_bytes(base, recipe.eval.heldout_seq_len, size) + loss_chunks
+        "perplexity": _inference_bytes(base, heldout_lengths[-1], size) + loss_chunks
         if recipe.eval.heldout_tokens
         else 0,
         "transfer": 16 * new + transfer_per_token * transfer_rows if transfers else 0,
@@ -321,7 +323,6 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     finetune_len = sum(finetune.seq_lens) / len(finetune.seq_lens)
     forward = {  # forward FLOPs per token
         "probe": 2 * body + _attention_flops(base, probe_tokens, 0, 0),
-        "perplexity": 2 * (body + head) + _attention_flops(base, recipe.eval.heldout_seq_len, 0, 0),
         "transfer": 2 * body
         + _attention_flops(base, transfer_len, 0, 0)  # the teacher's softmax output each linear layer matches
         + _attention_flops(base, transfer_len, n_linear, window),
@@ -333,7 +334,12 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
         "retrieval probe": forward["probe"] * probe_token_count(window, getattr(base, "max_position_embeddings", None))
         if scored
         else 0.0,
-        "perplexity": 3 * forward["perplexity"] * heldout,  # teacher, untrained and trained student
+        # teacher and trained student at each context length, the untrained student at heldout_seq_len
+        "perplexity": heldout * sum(
+            (3 if n == recipe.eval.heldout_seq_len else 2)
+            * (2 * (body + head) + _attention_flops(base, n, 0, 0))
+            for n in heldout_lengths
+        ),
         # stage 1's backward reaches only the new parameters' inputs: about one more forward
         "transfer": (2 * forward["transfer"] + 6 * new) * transfer.tokens * transfers,
         # forward, backward (twice a forward) and a recomputed forward when checkpointed, plus the KL teacher's forward

@@ -9,7 +9,6 @@ measured tables. Each table sits in its own marked block: the conversion writes 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -213,6 +212,29 @@ def update_section(folder: str | Path, section: str, markdown: str) -> None:
     tmp = readme.with_name(f".{readme.name}.{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(readme)
+
+
+def context_markdown(rows: list[dict[str, Any]], note: str = "") -> str:
+    """The perplexity-against-context table as Markdown."""
+
+    def cell(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = ["| context | tokens | teacher ppl | student ppl | student / teacher |", "|---:|---:|---:|---:|---:|"]
+    lines += [
+        f"| {r['context']} | {r['tokens']} | {cell(r['teacher'], 2)} | {cell(r['student'], 2)} | {cell(r['ratio'], 3)} |"
+        for r in rows
+    ]
+    return "\n".join(lines + ([f"\n{note}"] if note else [])) + "\n"
+
+
+def heldout_contexts_markdown(rows: list[dict[str, Any]]) -> str:
+    """The conversion's perplexity-against-context table (rows of `measure.compare_contexts`)."""
+    note = (
+        "The last tenth of CPython's pydoc topics, which no stage trains on, in non-overlapping windows of each "
+        f"length, every length scoring the same {rows[0]['tokens']:,} tokens. `linearize ppl` measures more texts."
+    )
+    return context_markdown(rows, note)
 
 
 def conversion_markdown(report: dict[str, Any]) -> str:

@@ -30,10 +30,10 @@ from ..modeling.families import text_config
 from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
 from .budget import parameter_count, peak_rss_bytes, weight_bytes
-from .card import conversion_markdown, model_card, model_id_for, teacher_facts, update_section
+from .card import conversion_markdown, heldout_contexts_markdown, model_card, model_id_for, teacher_facts, update_section
 from .export import check_output, check_space, export
+from .measure import compare_contexts, perplexity_by_context, usable_contexts
 from .parallel import sharding_requested
-from .measure import perplexity
 from .plan import SCORED, describe, plan_layers
 from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_recipe_for
 from .retrieval import haystack_text, retrieval_scores
@@ -62,6 +62,7 @@ class ConversionReport:
     perplexity: dict[str, float] = field(default_factory=dict)  # teacher, zero_shot, student
     heldout_tokens: int = 0
     heldout_seq_len: int = 0
+    contexts: list[dict[str, Any]] = field(default_factory=list)  # perplexity against context, teacher and student
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     layer_errors: dict[str, float] = field(default_factory=dict)  # measured placement's ranking
     retrieval_scores: dict[str, float] = field(default_factory=dict)  # retrieval placement's ranking
@@ -85,6 +86,9 @@ class ConversionReport:
             if key in ppl:
                 ratio = f" ({ppl[key] / ppl['teacher']:.3f}x teacher)" if key != "teacher" and "teacher" in ppl else ""
                 rows.append((f"held-out perplexity, {label}", f"{ppl[key]:.3f}{ratio}"))
+        if self.contexts:
+            ratios = ", ".join(f"{r['context']}: {r['ratio']:.3f}x" for r in self.contexts if r["ratio"] is not None)
+            rows.append(("student / teacher by context", ratios))
         for name, stage in self.stages.items():
             loss = f", final loss {stage['final_loss']:.4g}" if stage.get("final_loss") is not None else ""
             rows.append((f"{name} tokens", f"{stage['tokens']:,} in {stage['seconds']:.0f} s{loss}"))
@@ -155,19 +159,25 @@ def _stage_data(stage: Stage, tokenizer: PreTrainedTokenizerBase, seed: int) -> 
     return phases
 
 
-def _heldout_ppl(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> float:
-    seq_len = recipe.eval.heldout_seq_len
-    result = perplexity(
-        model,
-        tokenizer,
-        data_lib.heldout_text(),
-        seq_len=seq_len,
-        stride=seq_len,
-        max_tokens=recipe.eval.heldout_tokens,
-        batch_size=1,  # one window's logits at a time: the vocabulary-wide tensors stay small
-        progress=not os.environ.get("LINEARIZE_NO_PROGRESS"),
-    )
-    return float(result["ppl"])
+def _heldout_tokens(
+    tokenizer: PreTrainedTokenizerBase, recipe: Recipe, model: PreTrainedModel
+) -> tuple[list[int], list[int], int]:
+    """The held-out stream every measurement scores, its context lengths (eval.contexts and the headline
+    window), and the headline window: heldout_seq_len, shortened to what the text and the model allow.
+
+    The stream is cut to a whole number of the longest windows, so each length scores the same tokens.
+    """
+    ids = tokenizer(data_lib.heldout_text(), verbose=False)["input_ids"][: recipe.eval.heldout_tokens + 1]
+    limit = getattr(model.config, "max_position_embeddings", None) or recipe.eval.heldout_seq_len
+    seq_len = min(recipe.eval.heldout_seq_len, len(ids) - 1, limit)
+    lengths = usable_contexts([*recipe.eval.contexts, seq_len], len(ids), limit)
+    budget = (len(ids) - 1) // lengths[-1] * lengths[-1]
+    return ids[: budget + 1], lengths, seq_len
+
+
+def _score_contexts(model: PreTrainedModel, ids: list[int], lengths: list[int]) -> list[dict[str, float | int]]:
+    # batch 1: one window's logits at a time, so the vocabulary-wide tensors stay small
+    return perplexity_by_context(model, None, ids, lengths, progress=not os.environ.get("LINEARIZE_NO_PROGRESS"))
 
 
 def default_recipe(model: str | PreTrainedModel) -> Recipe:
@@ -452,6 +462,8 @@ def write_export(
         (folder / "recipe.yaml").write_text(report.recipe_yaml)
         plot_losses(results, folder / "loss.png")
         update_section(folder, "conversion", conversion_markdown(report.to_dict()))
+        if report.contexts:
+            update_section(folder, "perplexity", heldout_contexts_markdown(report.contexts))
 
     export(student, tokenizer, output, overwrite=True, model_card=card, extras=write_report)
     if work is not None:
@@ -513,11 +525,17 @@ def convert(
         output=None if output is None else str(output),
     )
     ppl = {} if work is None else dict(work.get("perplexity") or {})
-    if measure and main and "teacher" not in ppl:
-        ppl["teacher"] = _heldout_ppl(teacher, tokenizer, recipe)
-        ppl["zero_shot"] = _heldout_ppl(student, tokenizer, recipe)
-        if work is not None:
-            work.put("perplexity", ppl)
+    teacher_rows = None if work is None else work.get("teacher_contexts")
+    if measure and main:
+        ids, lengths, seq_len = _heldout_tokens(tokenizer, recipe, teacher)
+        report.heldout_seq_len = seq_len
+        if "teacher" not in ppl or teacher_rows is None:
+            teacher_rows = _score_contexts(teacher, ids, lengths)
+            ppl["teacher"] = next(r["ppl"] for r in teacher_rows if r["context"] == seq_len)
+            ppl["zero_shot"] = _score_contexts(student, ids, [seq_len])[0]["ppl"]
+            if work is not None:
+                work.put("perplexity", ppl)
+                work.put("teacher_contexts", teacher_rows)
     weights = weight_bytes(teacher)
     del teacher  # the student holds the weights now: a sharded stage can then release all but its shard
     results = train_student(student, tokenizer, recipe, accelerator, work, shard)
@@ -533,7 +551,10 @@ def convert(
         if result.layer_errors:
             report.stages[result.name]["layer_mse"] = {str(k): v for k, v in result.layer_errors.items()}
     if measure and main:
-        ppl["student"] = _heldout_ppl(student, tokenizer, recipe)
+        student_rows = _score_contexts(student, ids, lengths)
+        ppl["student"] = next(r["ppl"] for r in student_rows if r["context"] == seq_len)
+        report.contexts = compare_contexts(student_rows, teacher_rows)
+        report.heldout_tokens = student_rows[0]["tokens"]
     report.perplexity = ppl
     report.memory = memory_figures(weights, accelerator.device)
     report.seconds = time.perf_counter() - started

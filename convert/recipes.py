@@ -93,7 +93,10 @@ class Stage:
 @dataclass
 class Evaluation:
     heldout_tokens: int = 16384
-    heldout_seq_len: int = 512
+    heldout_seq_len: int = 512  # the before/after perplexity's window (the untrained student is scored at it)
+    # Perplexity against context: teacher and student score the same held-out tokens in windows of each
+    # length (and of heldout_seq_len); lengths past the model's max_position_embeddings are dropped.
+    contexts: list[int] = field(default_factory=lambda: [512, 2048, 4096])
     tasks: list[str] = field(default_factory=lambda: ["arc_easy", "piqa", "hellaswag"])
     limit: int | None = 200
 
@@ -208,6 +211,8 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
         lengths = getattr(recipe, name).seq_lens
         if not lengths or any(n < 2 for n in lengths):
             raise ValueError(f"recipe key '{name}.seq_len' must be a length >= 2 or a list of them, got {lengths!r}")
+    if any(n < 2 for n in recipe.eval.contexts):
+        raise ValueError(f"recipe key 'eval.contexts' must hold lengths >= 2 (e.g. [512, 2048, 4096]), got {recipe.eval.contexts!r}")
     _check_numbers(recipe)
     recipe.dtype = dtype_name(recipe.dtype, "recipe key 'dtype'")  # the words --dtype takes: bf16 is bfloat16
     validate_linear_attention(recipe.linear_attention())

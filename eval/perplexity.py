@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..convert.measure import perplexity
+from ..convert.card import context_markdown
+from ..convert.measure import compare_contexts, perplexity_by_context
 
 log = logging.getLogger(__name__)
 
@@ -80,87 +80,6 @@ def load_text(
 
 
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
-
-
-def usable_contexts(contexts: Iterable[int], n_tokens: int, max_positions: int | None = None) -> list[int]:
-    """The requested context lengths this text and model can score: at most `max_positions`, and
-    with at least one full window of text; sorted, without duplicates."""
-    out = sorted({int(c) for c in contexts})
-    if not out or out[0] < 2:
-        raise ValueError(f"bad context lengths {sorted(contexts)}: give lengths of at least 2 tokens")
-    dropped = [c for c in out if (max_positions and c > max_positions) or c > n_tokens - 1]
-    if dropped:
-        log.info("dropping context lengths %s (model limit %s, text of %d tokens)", dropped, max_positions, n_tokens)
-    kept = [c for c in out if c not in dropped]
-    if not kept:
-        raise ValueError(
-            f"the text has {n_tokens} tokens, too few for any of the context lengths {out}: give more text"
-        )
-    return kept
-
-
-def perplexity_by_context(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    text: str | list[int],
-    contexts: Iterable[int] = DEFAULT_CONTEXTS,
-    max_tokens: int | None = None,
-    batch_size: int = 1,
-    progress: bool = False,
-) -> list[dict[str, float | int]]:
-    """Perplexity in non-overlapping windows of each context length, every length scoring the same tokens.
-
-    The scored stream is cut to a whole number of the longest windows, so a change across lengths
-    comes from context alone and not from which tokens were scored. Returns one row per length:
-    {"context", "ppl", "nll", "tokens"}.
-    """
-    if isinstance(text, str) and tokenizer is None:
-        raise ValueError("text given as a string needs a tokenizer: pass one or pass token ids")
-    ids = tokenizer(text, verbose=False)["input_ids"] if isinstance(text, str) else list(text)
-    if max_tokens is not None:
-        ids = ids[: max_tokens + 1]
-    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    lengths = usable_contexts(contexts, len(ids), max_positions)
-    budget = (len(ids) - 1) // lengths[-1] * lengths[-1]
-    rows = []
-    for length in lengths:
-        res = perplexity(model, None, ids[: budget + 1], seq_len=length, stride=length, batch_size=batch_size, progress=progress)
-        rows.append({"context": length, **res})
-    return rows
-
-
-def compare_contexts(
-    student: list[dict[str, Any]], teacher: list[dict[str, Any]] | None
-) -> list[dict[str, Any]]:
-    """One row per context length: teacher and student perplexity and their ratio."""
-    by_length = {r["context"]: r for r in teacher or []}
-    rows = []
-    for s in student:
-        t = by_length.get(s["context"])
-        rows.append(
-            {
-                "context": s["context"],
-                "tokens": s["tokens"],
-                "student": s["ppl"],
-                "teacher": None if t is None else t["ppl"],
-                "ratio": None if t is None else s["ppl"] / t["ppl"],
-            }
-        )
-    return rows
-
-
-def context_markdown(rows: list[dict[str, Any]], note: str = "") -> str:
-    """The perplexity-against-context table as Markdown."""
-
-    def cell(value: float | None, digits: int) -> str:
-        return "-" if value is None else f"{value:.{digits}f}"
-
-    lines = ["| context | tokens | teacher ppl | student ppl | student / teacher |", "|---:|---:|---:|---:|---:|"]
-    lines += [
-        f"| {r['context']} | {r['tokens']} | {cell(r['teacher'], 2)} | {cell(r['student'], 2)} | {cell(r['ratio'], 3)} |"
-        for r in rows
-    ]
-    return "\n".join(lines + ([f"\n{note}"] if note else [])) + "\n"
 
 
 def render_context_table(rows: list[dict[str, Any]], title: str) -> Any:

@@ -1022,7 +1022,7 @@ class LinearAttention(nn.Module):
         from its slot and writes the new one there, in place; other steps put the ring in time order,
         run, and store it back.
         """
-        B, T, D, W = q.shape[0], q.shape[2], self.head_dim, self.window
+        B, T, W = q.shape[0], q.shape[2], self.window
         extras = [x for x in payload if x is not k and x is not v]  # kept beside k and v until they enter
         extra = torch.cat(extras, dim=-1) if extras else None
         ring, ring_extra, ring_valid = (self._state(cache, name) for name in ("window_kv", "window_payload", "window_valid"))

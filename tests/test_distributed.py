@@ -2,6 +2,7 @@
 `convert()` called on a model already in memory."""
 
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -226,6 +227,50 @@ def test_convert_a_model_in_memory(tiny_llama_dir, tmp_path):
     ids = torch.tensor([tokenizer("def main():")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, student(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def _hand_perplexity(model, ids: list[int], length: int) -> float:
+    """exp(mean NLL) from each non-overlapping window's full logits: every target once, no chunking."""
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, length):
+            window = torch.tensor([ids[start : start + length]])
+            targets = torch.tensor(ids[start + 1 : start + length + 1])
+            logits = model(window, use_cache=False).logits[0, : len(targets)]
+            nll += torch.nn.functional.cross_entropy(logits.double(), targets, reduction="sum").item()
+            count += len(targets)
+    return math.exp(nll / count)
+
+
+def test_conversion_scores_perplexity_against_context(tiny_llama_dir, tmp_path):
+    """report.json's and the card's perplexity against context: teacher and student columns recomputed by hand."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from linearize.convert.data import heldout_text
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    recipe = tiny_recipe()
+    recipe.eval.contexts = [16, 128, 1024]  # 1024: past the 256 held-out tokens, dropped
+    student, report = convert(teacher, tokenizer, recipe=recipe, output=tmp_path / "out")
+    rows = report.contexts
+    assert [r["context"] for r in rows] == [16, 64, 128]  # eval.contexts and heldout_seq_len (64)
+    ids = tokenizer(heldout_text())["input_ids"][:257]  # 256 = two 128-token windows: every length scores them
+    student.eval()
+    for row in rows:
+        assert row["tokens"] == 256
+        assert row["teacher"] == pytest.approx(_hand_perplexity(teacher, ids, row["context"]), rel=1e-4)
+        assert row["student"] == pytest.approx(_hand_perplexity(student, ids, row["context"]), rel=1e-4)
+        assert row["ratio"] == pytest.approx(row["student"] / row["teacher"])
+    at_64 = rows[1]
+    assert report.perplexity["teacher"] == at_64["teacher"] and report.perplexity["student"] == at_64["student"]
+    assert report.heldout_seq_len == 64 and report.heldout_tokens == 256
+    assert "student / teacher by context" in dict(report.rows())
+    card = (tmp_path / "out" / "README.md").read_text()
+    table = card[card.index("### Perplexity against context") :]
+    for r in rows:
+        assert f"| {r['context']} | 256 | {r['teacher']:.2f} | {r['student']:.2f} | {r['ratio']:.3f} |" in table
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["contexts"] == rows
 
 
 def test_convert_without_output_writes_nothing(tiny_llama_dir, tmp_path, monkeypatch):

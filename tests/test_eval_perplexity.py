@@ -11,15 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from linearize.convert.measure import perplexity, windows
-from linearize.eval.perplexity import (
-    compare_contexts,
-    context_markdown,
-    load_text,
-    perplexity_by_context,
-    plot_contexts,
-    usable_contexts,
-)
+from linearize.convert.card import context_markdown
+from linearize.convert.measure import compare_contexts, perplexity, perplexity_by_context, usable_contexts, windows
+from linearize.eval.perplexity import load_text, plot_contexts
 
 VOCAB = 128
 

@@ -50,6 +50,25 @@ def test_negative_layer_indices_are_refused(layers, message):
         parse_recipe({"layers": layers})
 
 
+@pytest.mark.parametrize(
+    "contexts, message",
+    [
+        ([1], "recipe key 'eval.contexts' must hold lengths >= 2 (e.g. [512, 2048, 4096]), got [1]"),
+        ([512, 0], "recipe key 'eval.contexts' must hold lengths >= 2 (e.g. [512, 2048, 4096]), got [512, 0]"),
+        ("512,2048", "recipe key 'eval.contexts' must be a list, got '512,2048'"),
+        (None, "recipe key 'eval.contexts' must be a list, got None"),
+        ([512.0], "recipe key 'eval.contexts[0]' must be int, got 512.0"),
+    ],
+)
+def test_bad_perplexity_contexts_are_refused(contexts, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        parse_recipe({"eval": {"contexts": contexts}})
+
+
+def test_perplexity_contexts_are_kept():
+    assert parse_recipe({"eval": {"contexts": [4096, 512]}}).eval.contexts == [4096, 512]
+
+
 # ---- through the command line ----------------------------------------------------------------------
 
 LR = "must be a positive finite number, got"

@@ -4,7 +4,6 @@ import re
 from importlib import resources
 
 import pytest
-import torch
 import yaml
 
 from linearize.convert.cli import convert_parser, recipe_from_args
