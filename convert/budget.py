@@ -197,6 +197,10 @@ HEAP_RETENTION = 2.0
 # measured at planning time is lower too, but not by as much as the run slows. GPUs are not
 # calibrated: their figures stay lower bounds.
 CPU_SLOWDOWN = {"retrieval probe": 1.6, "perplexity": 1.0, "transfer": 1.0, "finetune": 2.0}
+# With --low-memory on a CPU every large block is mapped afresh and unmapped when freed, page faults
+# included: the embedded conversion's training stages ran 1.9x (finetune) and 2.3x (transfer) slower
+# than on glibc's default heap; inference stages barely change.
+LOW_MEMORY_SLOWDOWN = {"transfer": 2.0, "finetune": 2.0}
 
 
 def _inference_bytes(base: PretrainedConfig, tokens: int, size: int) -> int:
@@ -232,7 +236,7 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     top, and without `low_memory` the transients glibc keeps after each stage (`HEAP_RETAINED_STAGES`);
     `None` decides as the CLI does. On a GPU it is the allocated bytes, as `report.json` measures them.
     Time: each stage's FLOPs over this device's matmul throughput, measured now (so a busy machine
-    gets longer estimates), times the stage's `CPU_SLOWDOWN` on a CPU; the measured figures come in `report.json`.
+    gets longer estimates), times the stage's `CPU_SLOWDOWN` on a CPU (and `LOW_MEMORY_SLOWDOWN` with `low_memory`); the measured figures come in `report.json`.
     """
     from transformers import AutoModelForCausalLM
 
@@ -346,7 +350,12 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
         "finetune": ((3 + checkpointed) * forward["student"] + kl * forward["teacher"] + 6 * lora
         + (2 + kl) * 2 * head) * finetune.tokens,
     }
-    seconds = {name: value / flops * (CPU_SLOWDOWN.get(name, 1.0) if cpu else 1.0) for name, value in seconds.items()}
+    def slowdown(name: str) -> float:
+        if not cpu:
+            return 1.0
+        return CPU_SLOWDOWN.get(name, 1.0) * (LOW_MEMORY_SLOWDOWN.get(name, 1.0) if low_memory else 1.0)
+
+    seconds = {name: value / flops * slowdown(name) for name, value in seconds.items()}
     plan = describe(types)
     if layers.placement in SCORED and not linear:
         plan += f" ({layers.placement} placement: the softmax layers are chosen when the run scores them; shown spread)"
