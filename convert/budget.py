@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import PretrainedConfig
 
-from ..modeling.families import text_config
+from ..modeling.families import sliding_layers, text_config
 
 
 def weight_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
@@ -255,7 +255,9 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     layers = recipe.layers
     linear = layers.linear_layers or (layers.measured if layers.placement in SCORED else None)
     placement = "spread" if layers.placement in SCORED else layers.placement
-    types = plan_layers(n_layers, layers.ratio, placement, linear, layers.keep_softmax)
+    types = plan_layers(
+        n_layers, layers.ratio, placement, linear, layers.keep_softmax, None, sliding_layers(config), layers.sliding == "convert"
+    )
     with torch.device("meta"):
         teacher = AutoModelForCausalLM.from_config(config, dtype=dtype)
     student = linearize_model(teacher, types, recipe.linear_attention())
@@ -363,7 +365,7 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     mode = (", --low-memory" if low_memory else ", glibc's default heap") if cpu else ""
     rows = [
         ("model config", f"{base.model_type}, {n_layers} layers, hidden {h}, vocab {base.vocab_size}"),
-        ("layer plan (L linear, S softmax)", plan),
+        ("layer plan (L linear, S softmax, W sliding window)", plan),
         ("parameters", f"{total / 1e9:.3f} B ({weights / GIB:.2f} GiB in {str(dtype).removeprefix('torch.')})"),
         ("new parameters (stage 1 trains)", f"{new / 1e6:.2f} M"),
         ("LoRA parameters (stage 2 trains)", f"{lora / 1e6:.2f} M (rank {finetune.lora_rank})"),

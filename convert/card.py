@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .plan import describe
+
 logger = logging.getLogger(__name__)
 
 # Marked blocks in the order a first run of each verb adds them, with the heading each gets.
@@ -35,7 +37,7 @@ def markers(section: str) -> tuple[str, str]:
 def teacher_facts(spec: str, chat_template: bool) -> dict[str, Any]:
     """What the card says of the teacher: its name, its hub id and license where the source tells them, and
     whether it is an instruct model with a chat template. Nothing here fails a conversion: an unknown fact is None."""
-    from .sources import EMBEDDED_HUB_IDS, _gguf_file, resolve
+    from .sources import EMBEDDED, _gguf_file, resolve
 
     facts: dict[str, Any] = {"name": None, "hub_id": None, "license": None, "chat": chat_template}
     try:
@@ -44,7 +46,7 @@ def teacher_facts(spec: str, chat_template: bool) -> dict[str, Any]:
         return facts | {"name": Path(spec).name or None}
     if source.kind in ("embedded", "gguf"):
         gguf = _gguf_file(source)
-        hub_id = EMBEDDED_HUB_IDS.get(source.location) if source.kind == "embedded" else None
+        hub_id = EMBEDDED[source.location].hub_id if source.kind == "embedded" else None
         facts.update(hub_id=hub_id, name=hub_id.split("/")[-1] if hub_id else gguf.stem, license=_gguf_license(gguf))
     elif source.kind == "hub":
         facts.update(hub_id=spec, name=spec.split("/")[-1], license=_front_matter(_hub_readme(spec)).get("license"))
@@ -130,7 +132,7 @@ def model_card(config: Any, teacher: dict[str, Any], model_id: str, recipe: str 
         if window
         else ""
     )
-    plan = " ".join("L" if k == "linear_attention" else "S" for k in kinds)
+    plan = " ".join(describe(kinds))
     body = [
         f"# {name}, linearized ({kind.upper() if kind == 'gla' else kind}, {linear} of {len(kinds)} layers linear)",
         "",
@@ -143,7 +145,7 @@ def model_card(config: Any, teacher: dict[str, Any], model_id: str, recipe: str 
         "context. Converted with `linearize`"
         + (f" (recipe `{recipe}`; `recipe.yaml` in this folder repeats the run)." if recipe else "."),
         "",
-        f"Layer plan (L linear, S softmax): `{plan}`",
+        f"Layer plan (L linear, S softmax, W sliding-window softmax): `{plan}`",
         "",
         "## Usage",
         "",

@@ -65,6 +65,11 @@ def convert_parser() -> argparse.ArgumentParser:
         help="where the softmax layers go: spread evenly, top, measured (worst transfer error) or retrieval "
         "(the teacher's long-range retrieval layers)",
     )
+    plan.add_argument(
+        "--convert-sliding",
+        action="store_true",
+        help="let the ratio convert sliding-window layers too (by default it counts the global layers and keeps sliding ones softmax)",
+    )
     plan.add_argument("--keep-softmax", action=ListOption, help="comma-separated layers that always keep softmax, e.g. 0,1 ('' for none)")
     att = p.add_argument_group("linear attention")
     att.add_argument("--attention", choices=["gla", "performer", "deltanet"], help="kind of linear attention")
@@ -161,6 +166,7 @@ def recipe_from_args(args: argparse.Namespace):
         "layers.linear_layers": _csv(args.linear_layers, "--linear-layers", int),
         "layers.measured": [] if replan and recipe.layers.measured else None,
         "layers.keep_softmax": _csv(args.keep_softmax, "--keep-softmax", int),
+        "layers.sliding": "convert" if args.convert_sliding else None,
         "attention.kind": args.attention,
         "attention.feature_map": args.feature_map,
         "attention.feature_dim": args.feature_dim,

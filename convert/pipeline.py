@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..modeling.configuration_linearize import LINEAR
-from ..modeling.families import text_config
+from ..modeling.families import sliding_layers, text_config
 from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
 from .budget import parameter_count, peak_rss_bytes, weight_bytes
@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 MEASURE_TOKENS = 8192  # stage-1 budget of the all-linear pass that `measured` placement ranks layers with
 MEASURE_ROWS_TOKENS = 2048  # tokens its per-layer errors are measured on
-SCORE_KINDS = ("layer_errors", "retrieval_scores")  # the per-layer rankings a work folder keeps
+SCORE_KINDS = ("layer_errors", "retrieval_scores")
+QUALITY_LIMIT = 1.5  # student over teacher perplexity at the held-out length past which the run says it failed  # the per-layer rankings a work folder keeps
 
 
 @dataclass
@@ -73,10 +74,24 @@ class ConversionReport:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def quality_warning(self) -> str | None:
+        """One line when the trained student is far from its teacher at the held-out length, with the likely fix."""
+        ppl = self.perplexity
+        if "student" not in ppl or not ppl.get("teacher"):
+            return None
+        ratio = ppl["student"] / ppl["teacher"]
+        if ratio <= QUALITY_LIMIT:
+            return None
+        return (
+            f"FAILED: the student's perplexity is {ratio:.2f}x the teacher's at {self.heldout_seq_len} tokens (limit "
+            f"{QUALITY_LIMIT}x); likely fix: keep more layers softmax (--ratio 1:1), or train longer "
+            "(--transfer-tokens, --finetune-tokens)"
+        )
+
     def rows(self) -> list[tuple[str, str]]:
         """(metric, value) rows for the before/after table."""
         ppl = self.perplexity
-        rows = [("model", f"{self.model} -> {self.resolved}"), ("layer plan (L linear, S softmax)", self.plan)]
+        rows = [("model", f"{self.model} -> {self.resolved}"), ("layer plan (L linear, S softmax, W sliding window)", self.plan)]
         if self.retrieval_scores:
             score = {int(i): v for i, v in self.retrieval_scores.items()}
             kept = sorted((i for i, kind in enumerate(self.layer_types) if kind != LINEAR), key=lambda i: -score[i])
@@ -89,6 +104,9 @@ class ConversionReport:
         if self.contexts:
             ratios = ", ".join(f"{r['context']}: {r['ratio']:.3f}x" for r in self.contexts if r["ratio"] is not None)
             rows.append(("student / teacher by context", ratios))
+        warning = self.quality_warning()
+        if warning:
+            rows.append(("quality check", warning))
         for name, stage in self.stages.items():
             loss = f", final loss {stage['final_loss']:.4g}" if stage.get("final_loss") is not None else ""
             rows.append((f"{name} tokens", f"{stage['tokens']:,} in {stage['seconds']:.0f} s{loss}"))
@@ -308,9 +326,14 @@ def check_inputs(
     n_layers = text_config(config).num_hidden_layers
     layers = recipe.layers
     placement = "spread" if layers.placement in SCORED else layers.placement  # the scores come later
-    plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax)
+    plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax, None, *_sliding(config, recipe))
     if output is not None:
         check_space(output, loaded_weight_bytes(teacher, config, recipe, device))  # the student keeps these and adds a few
+
+
+def _sliding(config: PretrainedConfig, recipe: Recipe) -> tuple[list[int], bool]:
+    """plan_layers' `sliding` and `convert_sliding` for this teacher and recipe."""
+    return sliding_layers(config), recipe.layers.sliding == "convert"
 
 
 def load_teacher(
@@ -404,7 +427,7 @@ def select_layers(
     ranked = [scores.get(i, 0.0) for i in range(n_layers)] if scores else None
     # retrieval on a context too short to reach past the window: nothing to rank by (retrieval_scores warned)
     placement = "spread" if layers.placement == "retrieval" and not scores else layers.placement
-    selection.types = plan_layers(n_layers, layers.ratio, placement, linear, layers.keep_softmax, ranked)
+    selection.types = plan_layers(n_layers, layers.ratio, placement, linear, layers.keep_softmax, ranked, *_sliding(teacher.config, recipe))
     logger.info("layer plan %s", describe(selection.types))
     return selection
 
@@ -556,6 +579,9 @@ def convert(
         report.contexts = compare_contexts(student_rows, teacher_rows)
         report.heldout_tokens = student_rows[0]["tokens"]
     report.perplexity = ppl
+    warning = report.quality_warning()
+    if warning:
+        logger.warning(warning)
     report.memory = memory_figures(weights, accelerator.device)
     report.seconds = time.perf_counter() - started
     accelerator.wait_for_everyone()

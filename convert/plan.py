@@ -5,13 +5,19 @@ A plan is a list of layer types. It comes from an explicit list of indices, or f
 keeps softmax in the top layers, `measured` keeps softmax where a short attention transfer matched
 the teacher worst, `retrieval` where the teacher's heads fetch a fact from beyond the window
 (`retrieval.py`).
+
+Sliding-window layers (Gemma 3's five local layers per global one, Mistral-style configs that mark
+them in `layer_types`) already keep a constant-size cache, so converting them buys no memory and
+only costs quality. A ratio therefore counts the global layers only: sliding layers stay as they
+are (`W` in a plan string) unless the recipe says `layers.sliding: convert` (`--convert-sliding`),
+or `--linear-layers` names them.
 """
 
 from __future__ import annotations
 
 import re
 
-FULL, LINEAR = "full_attention", "linear_attention"
+FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
 RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 PLACEMENTS = ("spread", "top", "measured", "retrieval")
 SCORED = ("measured", "retrieval")  # placements that rank layers by a per-layer score the run measures
@@ -57,11 +63,14 @@ def choose_softmax(
     placement: str,
     keep_softmax: list[int] | None = None,
     layer_scores: list[float] | None = None,
+    candidates: list[int] | None = None,
 ) -> list[int]:
-    """Indices that keep softmax attention under a ratio and placement; a scored placement keeps the highest."""
-    keep = parse_layers(keep_softmax, num_layers) if keep_softmax else []
-    wanted = max(softmax_count(num_layers, ratio), len(keep))
-    free = [i for i in range(num_layers) if i not in keep]
+    """Indices that keep softmax attention under a ratio and placement, among `candidates` (default: every
+    layer); a scored placement keeps the highest."""
+    candidates = list(range(num_layers)) if candidates is None else candidates
+    keep = [i for i in (parse_layers(keep_softmax, num_layers) if keep_softmax else []) if i in candidates]
+    wanted = max(softmax_count(len(candidates), ratio), len(keep))
+    free = [i for i in candidates if i not in keep]
     extra = wanted - len(keep)
     if extra <= 0:
         return keep
@@ -79,9 +88,10 @@ def choose_softmax(
     return sorted(set(keep) | set(picked))
 
 
-def layer_types(num_layers: int, linear: list[int]) -> list[str]:
-    """The plan as layer types: linear_attention, or full_attention for a layer that keeps the base's softmax."""
-    return [LINEAR if i in set(linear) else FULL for i in range(num_layers)]
+def layer_types(num_layers: int, linear: list[int], sliding: list[int] | None = None) -> list[str]:
+    """The plan as layer types: linear_attention, or the base's softmax (sliding_attention where it slides)."""
+    linear, sliding = set(linear), set(sliding or [])
+    return [LINEAR if i in linear else SLIDING if i in sliding else FULL for i in range(num_layers)]
 
 
 def plan_layers(
@@ -91,20 +101,33 @@ def plan_layers(
     linear_layers: str | list[int] | None = None,
     keep_softmax: list[int] | None = None,
     layer_scores: list[float] | None = None,
+    sliding: list[int] | None = None,
+    convert_sliding: bool = False,
 ) -> list[str]:
-    """The full plan: explicit indices win over ratio and placement (an explicit empty list is an error)."""
+    """The full plan: explicit indices win over ratio and placement (an explicit empty list is an error).
+
+    `sliding` lists the teacher's sliding-window layers: a ratio leaves them softmax and counts the
+    others, unless `convert_sliding`.
+    """
+    sliding = sorted(set(sliding or []))
     if linear_layers is not None:
         linear = parse_layers(linear_layers, num_layers)
     else:
         if ratio is None:
             raise ValueError("no layer plan: pass --ratio (e.g. 3:1) or --linear-layers (e.g. 0,1,2)")
-        softmax = choose_softmax(num_layers, parse_ratio(ratio), placement, keep_softmax, layer_scores)
-        linear = [i for i in range(num_layers) if i not in softmax]
+        candidates = list(range(num_layers)) if convert_sliding else [i for i in range(num_layers) if i not in sliding]
+        if not candidates:
+            raise ValueError(
+                "every layer of this model attends within a sliding window, so its cache is bounded already: "
+                "pass --convert-sliding to convert them anyway, or --linear-layers"
+            )
+        softmax = choose_softmax(num_layers, parse_ratio(ratio), placement, keep_softmax, layer_scores, candidates)
+        linear = [i for i in candidates if i not in softmax]
     if not linear:
         raise ValueError("the plan makes no layer linear: lower the softmax share or shrink keep_softmax")
-    return layer_types(num_layers, linear)
+    return layer_types(num_layers, linear, sliding)
 
 
 def describe(types: list[str]) -> str:
-    """Compact plan string, e.g. 'SSLLLSLLL...' (L linear, S softmax)."""
-    return "".join("L" if t == LINEAR else "S" for t in types)
+    """Compact plan string, e.g. 'SSLLLSLLL...' (L linear, S softmax, W sliding-window softmax)."""
+    return "".join({LINEAR: "L", SLIDING: "W"}.get(t, "S") for t in types)

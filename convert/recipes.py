@@ -36,6 +36,9 @@ class LayerPlan:
     placement: str = "spread"  # spread | top | measured | retrieval
     linear_layers: list[int] | None = None  # explicit indices override ratio/placement
     keep_softmax: list[int] = field(default_factory=list)  # layers that never become linear
+    # keep: a ratio counts the global layers and leaves sliding-window layers softmax (their cache is
+    # bounded already); convert: a ratio counts every layer
+    sliding: str = "keep"
     # The linear layers a scored placement (measured, retrieval) chose for the recipe's own model,
     # reused for it instead of measuring again (the transfer ranking is short and noisy); ignored for
     # any other model.
@@ -205,6 +208,8 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
         )
     if recipe.finetune.lora_layers not in ("linear", "all"):
         raise ValueError(f"recipe key 'finetune.lora_layers' must be 'linear' or 'all', got {recipe.finetune.lora_layers!r}")
+    if recipe.layers.sliding not in ("keep", "convert"):
+        raise ValueError(f"recipe key 'layers.sliding' must be 'keep' or 'convert', got {recipe.layers.sliding!r}")
     if recipe.layers.placement not in PLACEMENTS:
         raise ValueError(f"recipe key 'layers.placement' must be one of {', '.join(PLACEMENTS)}, got {recipe.layers.placement!r}")
     for name in ("transfer", "finetune"):

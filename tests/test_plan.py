@@ -102,7 +102,7 @@ def test_plan_marks_linear_and_softmax_layers():
     types = plan_layers(4, ratio="3:1")
     assert types == [LINEAR, LINEAR, LINEAR, FULL]
     assert describe(types) == "LLLS"
-    assert describe(["sliding_attention", LINEAR]) == "SL"
+    assert describe(["sliding_attention", LINEAR, FULL]) == "WLS"  # W: a sliding-window softmax layer
 
 
 def test_softmax_count_rounds_half_up():

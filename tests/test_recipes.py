@@ -59,7 +59,7 @@ def test_short_names_resolve_to_the_embedded_model(short, tmp_path, monkeypatch)
 
 def test_unknown_short_name_lists_the_accepted_forms(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"unknown model 'lama'.*hub id.*\.gguf.*short name \(llama, smollm2\)"):
+    with pytest.raises(ValueError, match=r"unknown model 'lama'.*hub id.*\.gguf.*short name \(gemma3, llama, smollm2\)"):
         resolve("lama")
 
 

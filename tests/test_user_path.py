@@ -262,6 +262,23 @@ def test_conversion_section_from_the_report():
     assert "/root" not in md
 
 
+@pytest.mark.parametrize(("student", "flagged"), [(14.9, False), (15.1, True), (74.5, True)])
+def test_a_student_far_from_its_teacher_fails_in_one_table_row(student, flagged):
+    from linearize.convert.pipeline import ConversionReport
+
+    report = ConversionReport(
+        model="m", resolved="m", recipe="generic", recipe_yaml="", attention={}, plan="LLLS", layer_types=[LIN] * 3 + [FULL],
+        perplexity={"teacher": 10.0, "zero_shot": 20.0, "student": student}, heldout_seq_len=2048,
+    )  # fmt: skip
+    checks = [value for metric, value in report.rows() if metric == "quality check"]
+    if not flagged:
+        assert checks == []
+        return
+    (line,) = checks
+    assert line.startswith(f"FAILED: the student's perplexity is {student / 10:.2f}x the teacher's at 2048 tokens (limit 1.5x)")
+    assert "--ratio 1:1" in line and "\n" not in line
+
+
 def test_ppl_puts_its_table_in_the_card(tiny_export, tmp_path):
     """`linearize ppl` on an export fills the card's perplexity block, and a second run replaces it."""
     import shutil

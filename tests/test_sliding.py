@@ -1,0 +1,104 @@
+"""Sliding-window teachers (Gemma 3): a ratio counts the global layers and keeps the sliding ones, and a
+converted sliding layer is its teacher exactly while the context fits the teacher's window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+from linearize.convert.plan import LINEAR, SLIDING, describe, plan_layers
+from linearize.convert.recipes import parse_recipe
+from linearize.convert.swap import linearize_model
+from linearize.modeling.families import sliding_layers
+from linearize.modeling.modeling_linearize import LinearAttention
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WINDOW = 8
+# Gemma 3's pattern in small: five sliding layers, then a global one, twice.
+GEMMA_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 2
+
+
+def gemma_like() -> torch.nn.Module:
+    config = Gemma3TextConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=len(GEMMA_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=WINDOW,
+        layer_types=GEMMA_TYPES,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_sliding_layers_are_read_from_layer_types():
+    assert sliding_layers(gemma_like().config) == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
+
+
+def test_a_ratio_counts_the_global_layers_and_keeps_sliding_ones():
+    sliding = [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
+    assert describe(plan_layers(12, "1:1", sliding=sliding)) == "WWWWWLWWWWWS"
+    assert describe(plan_layers(12, "1:0", sliding=sliding)) == "WWWWWLWWWWWL"
+    assert describe(plan_layers(12, "1:1", placement="top", sliding=sliding)) == "WWWWWLWWWWWS"
+    scores = [0.0] * 12
+    scores[5] = 1.0  # the retrieval score keeps the first global layer instead
+    assert describe(plan_layers(12, "1:1", "retrieval", layer_scores=scores, sliding=sliding)) == "WWWWWSWWWWWL"
+    # --convert-sliding: the ratio counts every layer, as for a model without sliding layers
+    assert describe(plan_layers(12, "3:1", sliding=sliding, convert_sliding=True)) == "LLLWLLLWLLLS"
+    # explicit indices are taken as given, sliding or not
+    assert plan_layers(12, None, linear_layers=[0, 5], sliding=sliding)[:2] == [LINEAR, SLIDING]
+    assert describe(plan_layers(12, None, linear_layers=[0, 5], sliding=sliding)) == "LWWWWLWWWWWS"
+
+
+def test_a_model_of_sliding_layers_only_needs_convert_sliding():
+    with pytest.raises(ValueError, match="^every layer of this model attends within a sliding window.*--convert-sliding"):
+        plan_layers(4, "3:1", sliding=[0, 1, 2, 3])
+    assert describe(plan_layers(4, "3:1", sliding=[0, 1, 2, 3], convert_sliding=True)) == "LLLW"
+
+
+def test_recipe_key_layers_sliding():
+    assert parse_recipe({}).layers.sliding == "keep"
+    assert parse_recipe({"layers": {"sliding": "convert"}}).layers.sliding == "convert"
+    with pytest.raises(ValueError, match="^recipe key 'layers.sliding' must be 'keep' or 'convert', got 'all'$"):
+        parse_recipe({"layers": {"sliding": "all"}})
+
+
+def test_converted_sliding_layer_is_the_teacher_while_the_context_fits_its_window():
+    teacher = gemma_like()
+    types = plan_layers(12, None, linear_layers=[0, 1, 5], sliding=sliding_layers(teacher.config))
+    student = linearize_model(teacher, types, {"window": 64, "sink": 4, "chunk_size": 4}).eval()
+    layers = {i: layer.self_attn for i, layer in enumerate(student.model.layers) if isinstance(layer.self_attn, LinearAttention)}
+    assert sorted(layers) == [0, 1, 5]
+    for i in (0, 1):  # sliding teachers: the softmax part is the teacher's window, without sinks
+        assert (layers[i].window, layers[i].sink) == (WINDOW, 0)
+    assert (layers[5].window, layers[5].sink) == (64, 4)  # the global layer keeps the recipe's
+
+    ids = torch.randint(2, 128, (2, WINDOW), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(student(ids).logits, teacher(ids).logits, rtol=1e-5, atol=1e-5)
+        # past the window the state adds tokens the teacher no longer saw: the outputs part
+        longer = torch.randint(2, 128, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(2))
+        assert not torch.allclose(student(longer).logits[:, -1], teacher(longer).logits[:, -1], atol=1e-3)
+
+
+def test_a_converted_sliding_layer_never_looks_past_the_teachers_window():
+    """With the state's share at zero, a converted sliding layer is its teacher at any length: its softmax part
+    covers the teacher's window and nothing more (no sinks, no wider recipe window)."""
+    teacher = gemma_like()
+    student = linearize_model(teacher, plan_layers(12, None, linear_layers=[0, 2, 7]), {"window": 64, "sink": 4}).eval()
+    with torch.no_grad():
+        for layer in student.model.layers:
+            if isinstance(layer.self_attn, LinearAttention):
+                layer.self_attn.window_factor.fill_(40.0)  # sigmoid(40) = 1: the window's terms only
+        ids = torch.randint(2, 128, (2, 5 * WINDOW), generator=torch.Generator().manual_seed(3))
+        torch.testing.assert_close(student(ids).logits, teacher(ids).logits, rtol=1e-4, atol=1e-4)
+
