@@ -4,9 +4,6 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-install
 OUT ?= out/smollm2-gla-3to1
-# Keep the repository root off sys.path (`python -m` adds it): its kernels/ folder would shadow the
-# `kernels` package that transformers imports.
-export PYTHONSAFEPATH := 1
 
 .PHONY: setup test convert eval recall bench clean
 

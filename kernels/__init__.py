@@ -1,14 +1,19 @@
 """Linear-attention kernels: Triton for GPUs, each beside the PyTorch reference it must match."""
 
-if __name__ == "kernels":  # imported by that name only when the checkout's root is on sys.path
+if __name__ == "kernels":
+    # Python started in the checkout's root (a script or a REPL there) finds this folder before the hub's
+    # `kernels` package that transformers imports. Hand the import over to that package when it is installed;
+    # without it, transformers finds no version here and treats `kernels` as absent.
     import importlib.metadata
+    import importlib.util
+    import sys
 
     try:
-        importlib.metadata.version("kernels")
+        _init = importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py")
     except importlib.metadata.PackageNotFoundError:
-        pass
-    else:
-        raise ImportError(
-            "linearize's kernels/ folder was imported as the `kernels` package that transformers needs, because the "
-            "repository root is on sys.path: run Python with -P (or PYTHONSAFEPATH=1), or from another directory"
-        )
+        _init = None
+    if _init is not None and _init.is_file():
+        _spec = importlib.util.spec_from_file_location("kernels", _init, submodule_search_locations=[str(_init.parent)])
+        _real = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _real  # the import statement returns what sys.modules holds after this file runs
+        _spec.loader.exec_module(_real)

@@ -177,6 +177,17 @@ def test_model_card_snippet_runs_as_written(tiny_export, tmp_path):
     assert proc.stdout.strip(), "the snippet printed no generation"
 
 
+def test_python_started_in_the_checkout_root_imports_transformers():
+    """`make convert` writes out/ in the checkout, so a user runs the card's snippet there: the root's kernels/
+    folder must not stand in for the hub `kernels` package transformers imports (it hands over to it)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    code = "import transformers.integrations.hub_kernels, kernels; print(kernels.__file__)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Path(proc.stdout.strip()).resolve() != root / "kernels" / "__init__.py"
+
+
 def test_model_card_front_matter_and_title(tiny_llama_dir, tmp_path):
     """A local teacher whose card declares base_model and license: both carried over, the title names it,
     and no local path appears outside the snippet's model id."""
