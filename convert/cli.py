@@ -116,6 +116,11 @@ def convert_parser() -> argparse.ArgumentParser:
     )
     out = p.add_argument_group("report")
     out.add_argument("--heldout-tokens", type=int, help="tokens of the held-out slice scored for perplexity")
+    out.add_argument(
+        "--contexts",
+        action=ListOption,
+        help="context lengths of the run's perplexity-against-context table, comma-separated (default 512,2048,4096)",
+    )
     out.add_argument("--no-measure", action="store_true", help="skip the held-out perplexity before/after")
     out.add_argument("--prompt", default="The Python programming language", help="prompt for the sample generation")
     out.add_argument("--max-new-tokens", type=int, default=40, help="length of the sample generation (0 skips it)")
@@ -184,6 +189,7 @@ def recipe_from_args(args: argparse.Namespace):
         "finetune.lora_targets": _csv(args.lora_targets, "--lora-targets", example="q_proj,v_proj"),
         "finetune.lora_layers": args.lora_layers,
         "eval.heldout_tokens": args.heldout_tokens,
+        "eval.contexts": _csv(args.contexts, "--contexts", int),
     }
     # Switching kind away from the recipe's: the new kind's own defaults, unless given. The delta rule
     # keeps GLA's normalized state where its features are positive (see `LinearAttention._delta`): with
