@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .plan import describe
+from .plan import LINEAR, SLIDING, describe
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +109,9 @@ def model_card(config: Any, teacher: dict[str, Any], model_id: str, recipe: str 
     """The card's text before any measurement: front matter, what the model is, usage, how to publish it."""
     settings = config.linear_attention
     kinds = config.layer_types
-    linear = sum(k == "linear_attention" for k in kinds)
+    linear = kinds.count(LINEAR)
     softmax = len(kinds) - linear
+    sliding = kinds.count(SLIDING)
     name = teacher.get("name") or config.linearize_teacher or config.base_model_type
     kind = settings["kind"]
     front = ["---"]
@@ -141,6 +142,7 @@ def model_card(config: Any, teacher: dict[str, Any], model_id: str, recipe: str 
         + {0: "no layer keeps softmax attention. ", 1: "the other keeps softmax attention. "}.get(
             softmax, f"the other {softmax} keep softmax attention. "
         )
+        + (f"{sliding} of those are the teacher's sliding-window layers, whose cache is bounded already. " if sliding else "")
         + "A linear layer's cache is a fixed-size state, so its memory does not grow with the "
         "context. Converted with `linearize`"
         + (f" (recipe `{recipe}`; `recipe.yaml` in this folder repeats the run)." if recipe else "."),
@@ -264,7 +266,7 @@ def conversion_markdown(report: dict[str, Any]) -> str:
         parts.append("\n".join(table))
     facts = []
     scores = {int(i): v for i, v in (report.get("retrieval_scores") or {}).items()}
-    kept = [i for i, kind in enumerate(report.get("layer_types") or []) if kind != "linear_attention"]
+    kept = [i for i, kind in enumerate(report.get("layer_types") or []) if kind not in (LINEAR, SLIDING)]
     if scores and kept:
         ranked = sorted(kept, key=lambda i: -scores[i])
         facts.append("Softmax layers kept (the teacher's retrieval score): " + ", ".join(f"{i} ({scores[i]:.2f})" for i in ranked) + ".")

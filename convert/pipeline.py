@@ -34,7 +34,7 @@ from .card import conversion_markdown, heldout_contexts_markdown, model_card, mo
 from .export import check_output, check_space, export
 from .measure import compare_contexts, perplexity_by_context, usable_contexts
 from .parallel import sharding_requested
-from .plan import SCORED, describe, plan_layers
+from .plan import SCORED, SLIDING, describe, plan_layers
 from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_recipe_for
 from .retrieval import haystack_text, retrieval_scores
 from .sources import check_weights, load_config, load_model, resolve
@@ -94,7 +94,7 @@ class ConversionReport:
         rows = [("model", f"{self.model} -> {self.resolved}"), ("layer plan (L linear, S softmax, W sliding window)", self.plan)]
         if self.retrieval_scores:
             score = {int(i): v for i, v in self.retrieval_scores.items()}
-            kept = sorted((i for i, kind in enumerate(self.layer_types) if kind != LINEAR), key=lambda i: -score[i])
+            kept = sorted((i for i, kind in enumerate(self.layer_types) if kind not in (LINEAR, SLIDING)), key=lambda i: -score[i])
             scores = ", ".join(f"{i} ({score[i]:.2f})" for i in kept)
             rows.append(("softmax layers by retrieval score", scores))
         for key, label in (("teacher", "teacher"), ("zero_shot", "student, no training"), ("student", "student")):

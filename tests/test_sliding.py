@@ -102,3 +102,21 @@ def test_a_converted_sliding_layer_never_looks_past_the_teachers_window():
         ids = torch.randint(2, 128, (2, 5 * WINDOW), generator=torch.Generator().manual_seed(3))
         torch.testing.assert_close(student(ids).logits, teacher(ids).logits, rtol=1e-4, atol=1e-4)
 
+
+
+def test_the_card_tells_sliding_layers_apart():
+    from types import SimpleNamespace
+
+    from linearize.convert.card import conversion_markdown, model_card
+
+    kinds = [SLIDING] * 5 + [LINEAR] + [SLIDING] * 5 + ["full_attention"]
+    config = SimpleNamespace(
+        linear_attention={"kind": "gla", "feature_map": "hedgehog", "gate": "lowrank", "window": 512, "sink": 64},
+        layer_types=kinds, linearize_teacher="gemma", base_model_type="gemma3_text",
+    )  # fmt: skip
+    card = model_card(config, {"name": "gemma-3-270m", "hub_id": "google/gemma-3-270m"}, "out/g")
+    assert "the other 11 keep softmax attention. 10 of those are the teacher's sliding-window layers" in card
+    assert "`W W W W W L W W W W W S`" in card
+    scores = {str(i): 0.01 * i for i in range(12)}
+    md = conversion_markdown({"layer_types": kinds, "retrieval_scores": scores})
+    assert "Softmax layers kept (the teacher's retrieval score): 11 (0.11)." in md  # the global one only
