@@ -191,6 +191,13 @@ def usable_contexts(contexts: Iterable[int], n_tokens: int, max_positions: int |
     return kept
 
 
+def shared_tokens(ids: list[int], lengths: list[int]) -> list[int]:
+    """The stream cut to a whole number of the longest (last) length's windows, plus the last target: every
+    length then scores the same tokens."""
+    budget = (len(ids) - 1) // lengths[-1] * lengths[-1]
+    return ids[: budget + 1]
+
+
 def perplexity_by_context(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | None,
@@ -213,10 +220,10 @@ def perplexity_by_context(
         ids = ids[: max_tokens + 1]
     max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     lengths = usable_contexts(contexts, len(ids), max_positions)
-    budget = (len(ids) - 1) // lengths[-1] * lengths[-1]
+    ids = shared_tokens(ids, lengths)
     rows = []
     for length in lengths:
-        res = perplexity(model, None, ids[: budget + 1], seq_len=length, stride=length, batch_size=batch_size, progress=progress)
+        res = perplexity(model, None, ids, seq_len=length, stride=length, batch_size=batch_size, progress=progress)
         rows.append({"context": length, **res})
     return rows
 

@@ -32,7 +32,7 @@ from . import data as data_lib
 from .budget import parameter_count, peak_rss_bytes, weight_bytes
 from .card import conversion_markdown, heldout_contexts_markdown, model_card, model_id_for, teacher_facts, update_section
 from .export import check_output, check_space, export
-from .measure import compare_contexts, perplexity_by_context, usable_contexts
+from .measure import compare_contexts, perplexity_by_context, shared_tokens, usable_contexts
 from .parallel import sharding_requested
 from .plan import SCORED, SLIDING, describe, plan_layers
 from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_recipe_for
@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 
 MEASURE_TOKENS = 8192  # stage-1 budget of the all-linear pass that `measured` placement ranks layers with
 MEASURE_ROWS_TOKENS = 2048  # tokens its per-layer errors are measured on
-SCORE_KINDS = ("layer_errors", "retrieval_scores")
-QUALITY_LIMIT = 1.5  # student over teacher perplexity at the held-out length past which the run says it failed  # the per-layer rankings a work folder keeps
+SCORE_KINDS = ("layer_errors", "retrieval_scores")  # the per-layer rankings a work folder keeps
+QUALITY_LIMIT = 1.5  # student over teacher perplexity at the held-out length past which the run says it failed
 
 
 @dataclass
@@ -189,8 +189,7 @@ def _heldout_tokens(
     limit = getattr(model.config, "max_position_embeddings", None) or recipe.eval.heldout_seq_len
     seq_len = min(recipe.eval.heldout_seq_len, len(ids) - 1, limit)
     lengths = usable_contexts([*recipe.eval.contexts, seq_len], len(ids), limit)
-    budget = (len(ids) - 1) // lengths[-1] * lengths[-1]
-    return ids[: budget + 1], lengths, seq_len
+    return shared_tokens(ids, lengths), lengths, seq_len
 
 
 def _score_contexts(model: PreTrainedModel, ids: list[int], lengths: list[int]) -> list[dict[str, float | int]]:
