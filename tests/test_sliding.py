@@ -120,3 +120,27 @@ def test_the_card_tells_sliding_layers_apart():
     scores = {str(i): 0.01 * i for i in range(12)}
     md = conversion_markdown({"layer_types": kinds, "retrieval_scores": scores})
     assert "Softmax layers kept (the teacher's retrieval score): 11 (0.11)." in md  # the global one only
+
+
+@pytest.mark.slow
+def test_real_gemma_keeps_its_sliding_layers_and_a_converted_one_is_exact_past_the_window():
+    """The embedded Gemma-3-270M: the ratio plan converts global layers only, and converted sliding layers with
+    the state's share at zero reproduce the teacher's hidden states on 1,024 held-out tokens (twice its window)."""
+    from linearize.convert.data import heldout_text
+    from linearize.convert.sources import load_model
+
+    teacher, tokenizer, _ = load_model("gemma3")
+    teacher.eval()
+    sliding = sliding_layers(teacher.config)
+    assert [i for i in range(18) if i not in sliding] == [5, 11, 17]
+    assert describe(plan_layers(18, "3:1", sliding=sliding)) == "WWWWWLWWWWWLWWWWWS"
+    student = linearize_model(teacher, plan_layers(18, None, linear_layers=[0, 1, 12], sliding=sliding), {"window": 512, "sink": 64})
+    student.eval()
+    ids = torch.tensor([tokenizer(heldout_text())["input_ids"][:1024]])
+    with torch.no_grad():
+        for layer in student.model.layers:
+            if isinstance(layer.self_attn, LinearAttention):
+                assert (layer.self_attn.window, layer.self_attn.sink) == (512, 0)
+                layer.self_attn.window_factor.fill_(40.0)
+        hidden = [m.model(ids, use_cache=False).last_hidden_state for m in (student, teacher)]
+        torch.testing.assert_close(*hidden, rtol=1e-3, atol=1e-3)
