@@ -189,7 +189,7 @@ def recipe_from_args(args: argparse.Namespace):
         "finetune.lora_targets": _csv(args.lora_targets, "--lora-targets", example="q_proj,v_proj"),
         "finetune.lora_layers": args.lora_layers,
         "eval.heldout_tokens": args.heldout_tokens,
-        "eval.contexts": _csv(args.contexts, "--contexts", int),
+        "eval.contexts": _csv(args.contexts, "--contexts", int, example="512,2048,4096"),
     }
     # Switching kind away from the recipe's: the new kind's own defaults, unless given. The delta rule
     # keeps GLA's normalized state where its features are positive (see `LinearAttention._delta`): with
