@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import PretrainedConfig
 
-from ..modeling.families import sliding_layers, text_config
+from ..modeling.families import text_config
 
 
 def weight_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
@@ -241,7 +241,7 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     from transformers import AutoModelForCausalLM
 
     from ..modeling.configuration_linearize import LINEAR
-    from .plan import SCORED, describe, plan_layers
+    from .plan import SCORED, describe, plan_layers, sliding_plan
     from .retrieval import probe_length, probe_token_count
     from .sources import load_config, resolve
     from .swap import linearize_model, new_parameters
@@ -256,7 +256,7 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     linear = layers.linear_layers or (layers.measured if layers.placement in SCORED else None)
     placement = "spread" if layers.placement in SCORED else layers.placement
     types = plan_layers(
-        n_layers, layers.ratio, placement, linear, layers.keep_softmax, None, sliding_layers(config), layers.sliding == "convert"
+        n_layers, layers.ratio, placement, linear, layers.keep_softmax, None, *sliding_plan(config, layers)
     )
     with torch.device("meta"):
         teacher = AutoModelForCausalLM.from_config(config, dtype=dtype)

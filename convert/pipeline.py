@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..modeling.configuration_linearize import LINEAR
-from ..modeling.families import sliding_layers, text_config
+from ..modeling.families import text_config
 from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
 from .budget import parameter_count, peak_rss_bytes, weight_bytes
@@ -34,7 +34,7 @@ from .card import conversion_markdown, heldout_contexts_markdown, model_card, mo
 from .export import check_output, check_space, export
 from .measure import compare_contexts, perplexity_by_context, shared_tokens, usable_contexts
 from .parallel import sharding_requested
-from .plan import SCORED, SLIDING, describe, plan_layers
+from .plan import SCORED, SLIDING, describe, plan_layers, sliding_plan
 from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_recipe_for
 from .retrieval import haystack_text, retrieval_scores
 from .sources import check_weights, load_config, load_model, resolve
@@ -325,14 +325,9 @@ def check_inputs(
     n_layers = text_config(config).num_hidden_layers
     layers = recipe.layers
     placement = "spread" if layers.placement in SCORED else layers.placement  # the scores come later
-    plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax, None, *_sliding(config, recipe))
+    plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax, None, *sliding_plan(config, layers))
     if output is not None:
         check_space(output, loaded_weight_bytes(teacher, config, recipe, device))  # the student keeps these and adds a few
-
-
-def _sliding(config: PretrainedConfig, recipe: Recipe) -> tuple[list[int], bool]:
-    """plan_layers' `sliding` and `convert_sliding` for this teacher and recipe."""
-    return sliding_layers(config), recipe.layers.sliding == "convert"
 
 
 def load_teacher(
@@ -426,7 +421,7 @@ def select_layers(
     ranked = [scores.get(i, 0.0) for i in range(n_layers)] if scores else None
     # retrieval on a context too short to reach past the window: nothing to rank by (retrieval_scores warned)
     placement = "spread" if layers.placement == "retrieval" and not scores else layers.placement
-    selection.types = plan_layers(n_layers, layers.ratio, placement, linear, layers.keep_softmax, ranked, *_sliding(teacher.config, recipe))
+    selection.types = plan_layers(n_layers, layers.ratio, placement, linear, layers.keep_softmax, ranked, *sliding_plan(teacher.config, layers))
     logger.info("layer plan %s", describe(selection.types))
     return selection
 

@@ -16,6 +16,12 @@ or `--linear-layers` names them.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI's --help reads PLACEMENTS here: no torch or transformers at import
+    from transformers import PretrainedConfig
+
+    from .recipes import LayerPlan
 
 FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
 RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
@@ -126,6 +132,13 @@ def plan_layers(
     if not linear:
         raise ValueError("the plan makes no layer linear: lower the softmax share or shrink keep_softmax")
     return layer_types(num_layers, linear, sliding)
+
+
+def sliding_plan(config: PretrainedConfig, layers: LayerPlan) -> tuple[list[int], bool]:
+    """plan_layers' `sliding` and `convert_sliding` for a teacher's config and a recipe's `layers` section."""
+    from ..modeling.families import sliding_layers
+
+    return sliding_layers(config), layers.sliding == "convert"
 
 
 def describe(types: list[str]) -> str:
