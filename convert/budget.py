@@ -152,13 +152,22 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3)
     return 2 * n**3 * runs / (time.perf_counter() - started)
 
 
-def parameter_count(config: PretrainedConfig) -> int:
-    """Parameters of the model a config describes, counted on the meta device (nothing is allocated)."""
+def parameter_count(config: PretrainedConfig, body_only: bool = False) -> int:
+    """Parameters of the model a config describes, counted on the meta device (nothing is allocated).
+
+    `body_only` leaves out the token embedding and the head: what conversion trains and what a token budget
+    is sized by (a 262K vocabulary is most of Gemma-3-270M and none of its attention)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+    return body_parameter_count(model) if body_only else sum(p.numel() for p in model.parameters())
+
+
+def body_parameter_count(model: torch.nn.Module) -> int:
+    """Parameters outside the token embedding and the head (tied or not, each counted once)."""
+    vocabulary = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None for p in m.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in vocabulary)
 
 
 def _lora_parameters(student: torch.nn.Module, recipe) -> int:

@@ -29,7 +29,7 @@ from ..modeling.configuration_linearize import LINEAR
 from ..modeling.families import text_config
 from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
-from .budget import parameter_count, peak_rss_bytes, weight_bytes
+from .budget import body_parameter_count, parameter_count, peak_rss_bytes, weight_bytes
 from .card import conversion_markdown, heldout_contexts_markdown, model_card, model_id_for, teacher_facts, update_section
 from .export import check_output, check_space, export
 from .measure import compare_contexts, perplexity_by_context, shared_tokens, usable_contexts
@@ -198,15 +198,15 @@ def _score_contexts(model: PreTrainedModel, ids: list[int], lengths: list[int]) 
 
 
 def default_recipe(model: str | PreTrainedModel) -> Recipe:
-    """The shipped recipe of a known model, else the generic method with budgets sized for it and this machine."""
+    """The shipped recipe of a known model, else the generic method with budgets sized for its body and this machine."""
     if isinstance(model, str):
         shipped = shipped_recipe_for(model)
         if shipped is not None:
             return shipped
-        n_params = parameter_count(load_config(model))
+        n_params = parameter_count(load_config(model), body_only=True)
         spec = model
     else:
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = body_parameter_count(model)
         spec = getattr(model.config, "_name_or_path", "") or "in-memory model"
     return generic_recipe(spec, n_params, torch.cuda.is_available())
 

@@ -305,14 +305,16 @@ def load_recipe(name_or_path: str) -> Recipe:
 # Every model without a shipped recipe gets the method the embedded default proved (window + sinks,
 # retrieval placement, attention transfer then LoRA-KL), with token budgets scaled to its size.
 GENERIC_BASE = "smollm2-gla"
-BASE_PARAMS = 135e6  # the size the base recipe's (CPU) budgets were measured on
+BASE_PARAMS = 106e6  # the body (no embedding, no head) the base recipe's CPU budgets were measured on
 GPU_TOKENS = 20_000_000  # LoLCATs' per-stage budget for an 8B model on a GPU
 GPU_PARAMS = 8e9
 
 
 def generic_budget(n_params: int, accelerated: bool) -> int:
-    """Stage-1 tokens for a model of `n_params`: on a GPU LoLCATs' 20M at 8B, scaled by sqrt(size) (at least
-    2M); on a CPU the base recipe's budget at its size and the same compute for larger models (at least 8K)."""
+    """Stage-1 tokens for a model whose body (embedding and head left out) has `n_params`: on a GPU LoLCATs'
+    20M at 8B, scaled by sqrt(size) (at least 2M); on a CPU the base recipe's budget up to its size and the
+    same body compute for larger models (at least 8K). The vocabulary does not count: it is not trained,
+    and a large one (Gemma's 262K tokens) would halve the budget of layers no bigger than the base's."""
     base = shipped_recipes()[GENERIC_BASE].transfer.tokens
     if accelerated:
         tokens = min(GPU_TOKENS, max(2_000_000, GPU_TOKENS * math.sqrt(n_params / GPU_PARAMS)))
@@ -331,7 +333,7 @@ def generic_recipe(model: str, n_params: int, accelerated: bool) -> Recipe:
         base,
         name="generic",
         description=f"{base.name}'s method (window, sinks, retrieval placement, transfer then LoRA-KL), "
-        f"budgets for {n_params / 1e6:,.0f}M parameters on a {where}",
+        f"budgets for {n_params / 1e6:,.0f}M body parameters on a {where}",
         model=model,
         aliases=[],
         layers=dataclasses.replace(base.layers, measured=None),

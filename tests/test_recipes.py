@@ -278,11 +278,28 @@ def test_a_model_without_a_recipe_gets_the_proven_method(tiny_llama_dir):
 def test_generic_budgets_scale_with_size_and_device():
     from linearize.convert.recipes import generic_budget
 
-    assert generic_budget(135_000_000, accelerated=False) == 40960  # the proven budget at its own size
-    assert generic_budget(270_000_000, accelerated=False) == 20480  # the same compute: half the tokens
+    assert generic_budget(106_000_000, accelerated=False) == 40960  # the proven budget at its own size
+    assert generic_budget(100_000_000, accelerated=False) == 40960  # never above it
+    assert generic_budget(212_000_000, accelerated=False) == 20480  # the same compute: half the tokens
     assert generic_budget(135_000_000_000, accelerated=False) == 8192  # never below the floor
     assert generic_budget(8_000_000_000, accelerated=True) == 20_000_000 // 1024 * 1024  # LoLCATs at 8B
     assert 2_000_000 <= generic_budget(1_000_000_000, accelerated=True) < generic_budget(8_000_000_000, accelerated=True)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_budgets_are_sized_by_the_body_not_the_vocabulary(tied):
+    from transformers import LlamaConfig
+
+    from linearize.convert.budget import parameter_count
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    # by hand: per layer q 16x16, k and v 16x8, o 16x16, MLP 3 x 16x32, two norms of 16; a final norm of 16
+    layer = 16 * 16 + 2 * 16 * 8 + 16 * 16 + 3 * 16 * 32 + 2 * 16
+    body = 2 * layer + 16
+    vocabulary = 1000 * 16 * (1 if tied else 2)
+    assert parameter_count(config, body_only=True) == body
+    assert parameter_count(config) == body + vocabulary
 
 
 def test_dry_run_from_the_cli_loads_and_writes_nothing(linearize_main, tmp_path, monkeypatch):
