@@ -822,8 +822,10 @@ class LinearAttention(nn.Module):
         start = tokens_seen(layer)
         if T == 1 and self._steps_in_place(layer, cache, start):
             return self._gla_step(hidden_states, q, k, v, q_feat, k_feat, padding, layer, cache, start, low_rank)
-        g = self._decay(hidden_states, k, low_rank)
         valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding is None else padding[:, -T:].bool()
+        if T > 1 and self._has_gla_step() and start + T <= self.window:
+            return self._inside_window(q, k, v, k_feat, valid, padding is None, layer, cache, start)
+        g = self._decay(hidden_states, k, low_rank)
         v_feat = v
         if self.conv_size:
             q_feat, k_feat, v_feat = self._convolve(q_feat, k_feat, v, valid, cache)
@@ -880,6 +882,35 @@ class LinearAttention(nn.Module):
             mix = o * (q_stab + key_stab - win_max).clamp(max=60.0).exp() + win
             return normalize_output(mix[..., :-1], mix[..., -1:])
         return self._share_normalizer(o, win)
+
+    def _inside_window(self, q, k, v, k_feat, valid, all_valid: bool, layer, cache, start: int) -> torch.Tensor:
+        """The output [B, H, T, D] while every token so far fits the window (scoring, short prompts).
+
+        Nothing has left the window, so the state is empty and the layer is exact causal softmax over the
+        real tokens: one SDPA call, as the teacher makes, with no feature maps, gate or window blocks. A
+        cache still gets what later steps read: the ring, the sinks and the (empty) state.
+        """
+        if cache is not None:
+            self._through_window(layer, cache, q, k, v, [k_feat, v], valid, start, terms=False)
+            if self._state(cache, "memory") is None:
+                features = self._key_features(k_feat[:, :, :1]).shape  # [B, heads, 1, K]
+                B, D = v.shape[0], v.shape[-1]
+                self._store(cache, "memory", v.new_zeros(B, features[1], features[-1], D + 1, dtype=torch.float32))
+            record_seen(layer, start + q.shape[2])
+            layer.has_previous_state[STATES["memory"]] = True
+            if self.sink and self.joins_window:
+                self.join_window(layer, cache)
+        T, L = q.shape[2], start + q.shape[2]
+        mask = None
+        if start or not all_valid:
+            if start:  # the earlier tokens from the ring, in time order (it has not wrapped yet)
+                ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
+                k, v, valid = ring[:, :, 0, :L], ring[:, :, 1, :L], ring_valid[:, :L]
+            # A query with no real key so far (left padding) sees itself, so its (unused) output stays finite.
+            mask = _window_band(T, L, L, q.device) & (valid[:, None, None, :] | _window_band(T, L, 1, q.device))
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=self.kv_groups > 1
+        )
 
     def _share_normalizer(self, o: torch.Tensor, win: torch.Tensor) -> torch.Tensor:
         """GLA's undivided terms and the window's, mixed per head by sigmoid(window factor), then divided once."""
@@ -1019,8 +1050,9 @@ class LinearAttention(nn.Module):
         )
         return None if apart else joined
 
-    def _through_window(self, layer, cache, q, k, v, payload, valid, start):
+    def _through_window(self, layer, cache, q, k, v, payload, valid, start, terms: bool = True):
         """The window's softmax terms, and what leaves the window into the state: (payload, valid, terms).
+        With `terms` off, only the cache is updated (the caller attends itself) and the terms are None.
 
         The cache keeps the last W tokens' keys and values (and the rest of their payload) as a ring:
         position t sits in slot t % W. A decoding step (one token, no gradient) reads the leaving token
@@ -1066,7 +1098,11 @@ class LinearAttention(nn.Module):
                 if extra is not None:
                     self._store(cache, "window_payload", parts[2][:, :, -W:].roll(forth, dims=2))
                 self._store(cache, "window_valid", key_valid[:, -W:].roll(forth, dims=1))
-            window_terms = window_softmax_terms(q, parts[0], parts[1], key_valid, W, self.scaling, sinks, positions, sinks_behind)
+            window_terms = (
+                window_softmax_terms(q, parts[0], parts[1], key_valid, W, self.scaling, sinks, positions, sinks_behind)
+                if terms
+                else None
+            )
             k_out, v_out, *extra_out = (shift_into_state(x, T, W) for x in parts)
             extra_out = extra_out[0] if extra_out else None
             valid = shift_into_state(key_valid, T, W, dim=1)

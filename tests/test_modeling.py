@@ -1326,6 +1326,47 @@ def test_a_context_within_the_window_is_the_teachers_softmax(settings):
     assert not torch.allclose(student(longer).logits[0, -1], teacher(longer).logits[0, -1], atol=1e-3)
 
 
+@pytest.mark.parametrize("sink", [0, 4], ids=["no-sinks", "sinks-inside"])
+@pytest.mark.parametrize("side", ["left", "right"])
+@torch.no_grad()
+def test_scoring_inside_the_window_takes_one_softmax_and_keeps_every_logit(sink, side, monkeypatch):
+    """A padded batch that fits the window (how lm-eval scores) runs one SDPA call per linear layer, no state
+    work, and its logits at real tokens equal the general path's (window blocks, empty GLA state, shared
+    normalizer) and the teacher's on each row alone. A cache it fills continues exactly past the window."""
+    teacher = make_teacher("llama-bias-tied")
+    student = linearize_model(copy.deepcopy(teacher), [LIN, FULL, LIN], {"window": 16, "sink": sink, "chunk_size": 16}).eval()
+    randomize_new_parameters(student)
+    rows = [random_ids(14, seed=1), random_ids(9, seed=2), random_ids(5, seed=3)]
+    ids, mask = left_padded(rows)
+    if side == "right":
+        ids, mask = ids.flip(1), mask.flip(1)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = row
+    valid = mask.bool()
+    calls = []
+    inside = LinearAttention._inside_window
+    monkeypatch.setattr(LinearAttention, "_inside_window", lambda self, *a: calls.append(1) or inside(self, *a))
+    fast = {use_cache: student(ids, attention_mask=mask, use_cache=use_cache).logits for use_cache in (False, True)}
+    assert len(calls) == 4  # two linear layers, with and without a cache
+    monkeypatch.setattr(LinearAttention, "_has_gla_step", lambda self: False)  # the general path
+    general = student(ids, attention_mask=mask, use_cache=False).logits
+    for logits in fast.values():
+        torch.testing.assert_close(logits[valid], general[valid], rtol=1e-5, atol=1e-5)
+    for i, row in enumerate(rows):
+        alone = teacher(row[None]).logits[0]
+        torch.testing.assert_close(fast[False][i][valid[i]], alone, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    # a prefill inside the window, then steps and a chunk that carry tokens out of it: as one pass
+    longer = random_ids(2, 30, seed=4)
+    full = student(longer, use_cache=False).logits
+    cache, pieces = None, []
+    for start, end in [(0, 12), (12, 13), (13, 14), (14, 30)]:
+        out = student(longer[:, start:end], cache=cache, use_cache=True)
+        cache = out.cache
+        pieces.append(out.logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
 def test_transfer_mse_leans_toward_late_positions():
     """`late_weight` 0 is the plain MSE; above 0 an error at the end counts more than the same error at the start."""
     teacher = torch.randn(2, 10, 6)
