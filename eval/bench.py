@@ -341,6 +341,80 @@ def bench_models(
     return points
 
 
+SCORING_LENGTHS = (128, 512)
+SCORING_REPEATS = 3
+
+
+@torch.no_grad()
+def bench_scoring(
+    models: dict[str, PreTrainedModel],
+    lengths: Sequence[int] = SCORING_LENGTHS,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    repeats: int = SCORING_REPEATS,
+    seed: int = 0,
+) -> dict[str, list[dict[str, Any]]]:
+    """Batched prefill as lm-eval scores: one forward over B x T ids, every position's logits, the model's
+    default cache. Per model, one dict per (length, batch) with the median of `repeats` timed forwards
+    (after one untimed); the models take turns forward by forward, as decode rounds do."""
+    device = _device_of(next(iter(models.values())))
+    vocab = min(model.config.get_text_config().vocab_size for model in models.values())
+    points: dict[str, list[dict[str, Any]]] = {name: [] for name in models}
+    for length in lengths:
+        for batch in batch_sizes:
+            gen = torch.Generator().manual_seed(seed + length + batch)
+            ids = torch.randint(0, vocab, (batch, length), generator=gen).to(device)
+            times: dict[str, list[float]] = {name: [] for name in models}
+            for repeat in range(repeats + 1):
+                for name, model in models.items():
+                    _, seconds = _timed(device, model, ids)
+                    if repeat:
+                        times[name].append(seconds)
+            for name, measured in times.items():
+                median = sorted(measured)[len(measured) // 2]
+                points[name].append({"length": length, "batch": batch, "seconds": median, "tok_s": batch * length / median})
+    return points
+
+
+def scoring_rows(points: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (length, batch): each model's tokens/s and the student's over the teacher's."""
+    teacher = {(p["length"], p["batch"]): p for p in points.get("teacher", [])}
+    rows = []
+    for p in points["student"]:
+        t = teacher.get((p["length"], p["batch"]))
+        rows.append(
+            {
+                "length": p["length"],
+                "batch": p["batch"],
+                "student_tok_s": p["tok_s"],
+                "teacher_tok_s": None if t is None else t["tok_s"],
+                "speed_ratio": None if t is None else p["tok_s"] / t["tok_s"],
+            }
+        )
+    return rows
+
+
+SCORING_TITLE = "batched prefill as scoring runs it: tokens/s, every position's logits (S/T: student over teacher)"
+SCORING_COLUMNS = (
+    ("tokens", "length", 1, "d"),
+    ("B", "batch", 1, "d"),
+    ("student tok/s", "student_tok_s", 1.0, ".0f"),
+    ("teacher tok/s", "teacher_tok_s", 1.0, ".0f"),
+    ("S/T", "speed_ratio", 1.0, ".2f"),
+)
+
+
+def render_scoring_table(rows: list[dict[str, Any]]) -> Any:
+    """A rich Table of `scoring_rows` output."""
+    from rich.table import Table
+
+    table = Table(title=SCORING_TITLE)
+    for header, *_ in SCORING_COLUMNS:
+        table.add_column(header, justify="right")
+    for r in rows:
+        table.add_row(*(_fmt(r[key], scale, spec) for _, key, scale, spec in SCORING_COLUMNS))
+    return table
+
+
 def _sample_bandwidth(device: torch.device, last: float) -> float:
     """`read_bandwidth` between decode rounds; on a device that the caches filled, the `last` figure."""
     try:
@@ -458,7 +532,16 @@ def markdown_table(report: dict[str, Any]) -> str:
         "S/T: student over teacher. Reproduce: `linearize bench DIR --contexts "
         f"{','.join(map(str, report['contexts']))} --batch-sizes {','.join(map(str, report['batch_sizes']))}`."
     )
-    return "\n".join(lines) + "\n\n" + note + "\n"
+    text = "\n".join(lines) + "\n\n" + note + "\n"
+    if report.get("scoring"):
+        lines = ["| " + " | ".join(h for h, *_ in SCORING_COLUMNS) + " |", "|" + "---:|" * len(SCORING_COLUMNS)]
+        lines += ["| " + " | ".join(_fmt(r[key], scale, spec) for _, key, scale, spec in SCORING_COLUMNS) + " |" for r in report["scoring"]]
+        lengths = ",".join(map(str, report["scoring_lengths"]))
+        text += (
+            "\nBatched prefill as lm-eval scores (one forward, every position's logits, median of "
+            f"{SCORING_REPEATS}; `--scoring-lengths {lengths}`):\n\n" + "\n".join(lines) + "\n"
+        )
+    return text
 
 
 def plot(points: dict[str, list[dict[str, Any]]], path: Path) -> Path:
@@ -533,14 +616,16 @@ def run_bench(
     dtype: str | torch.dtype = "auto",
     trust_remote_code: bool = False,
     compile_student: bool = False,
+    scoring_lengths: Sequence[int] = SCORING_LENGTHS,
 ) -> dict[str, Any]:
     """Bench the student folder (and its teacher) and write `bench.json` + `bench.png` into the folder.
 
     The teacher defaults to the one the student's config records, and runs as loaded; with
     `compile_student` the student decodes through `compile_decoding`'s graph. `device` / `dtype` take "auto"
     (`models.resolve_device_dtype`); a teacher that is not a linearize export runs no remote code
-    unless `trust_remote_code`. Returns the JSON report with `rows` (see `ratio_rows`) and the
-    written `paths`.
+    unless `trust_remote_code`. `scoring_lengths` (empty: none) adds `bench_scoring`'s batched prefill at
+    these lengths and `batch_sizes`. Returns the JSON report with `rows` (see `ratio_rows`), `scoring`
+    (see `scoring_rows`) and the written `paths`.
     """
     from .models import dtype_name, load, resolve_device_dtype, student_config, teacher_spec
 
@@ -554,11 +639,14 @@ def run_bench(
     dev = torch.device(device)
     specs = {"student": str(student_dir)} | ({"teacher": tspec} if tspec else {})
     points: dict[str, list[dict[str, Any]]] = {}
+    scoring: dict[str, list[dict[str, Any]]] = {}
     loaded: dict[str, PreTrainedModel] = {}
     schedule = "interleaved" if len(specs) > 1 else "one model"
 
     def bench_loaded() -> None:
         points.update(bench_models(loaded, contexts, batch_sizes, decode_tokens, progress=progress))
+        if scoring_lengths:
+            scoring.update(bench_scoring(loaded, scoring_lengths, batch_sizes))
         loaded.clear()
         gc.collect()
         if dev.type == "cuda":
@@ -594,6 +682,9 @@ def run_bench(
         "read_bandwidth_range_gb_s": None if sampled is None else [b / 1e9 for b in sampled],
         "points": points,
         "rows": rows,
+        "scoring_lengths": list(scoring_lengths),
+        "scoring_points": scoring,
+        "scoring": scoring_rows(scoring) if scoring else [],
         "paths": {"json": str(out / "bench.json"), "png": str(out / "bench.png")},
     }
     plot(points, out / "bench.png")

@@ -187,6 +187,13 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps per point (default 32)")
     p.add_argument("--skip-teacher", action="store_true", help="bench only the student")
     p.add_argument(
+        "--scoring-lengths",
+        action=ListOption,
+        default="128,512",
+        help="prompt lengths of the batched-prefill (scoring) rows at each batch size, comma-separated; "
+        "'none' skips them (default 128,512)",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="decode the student through torch.compile (its compile_decoding); the teacher runs as loaded",
@@ -196,13 +203,15 @@ def bench_parser() -> argparse.ArgumentParser:
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    """`linearize bench DIR [--teacher MODEL] [--contexts 1024,4096,16384] [--batch-sizes 1,8] [--decode-tokens N] [--compile]`."""
+    """`linearize bench DIR [--teacher MODEL] [--contexts 1024,4096,16384] [--batch-sizes 1,8] [--decode-tokens N]
+    [--scoring-lengths 128,512] [--compile]`."""
 
     def body(args: argparse.Namespace) -> int:
-        from .bench import parse_int_list, render_table, run_bench
+        from .bench import parse_int_list, render_scoring_table, render_table, run_bench
 
         contexts = parse_int_list(args.contexts, "contexts")
         batch_sizes = parse_int_list(args.batch_sizes, "batch-sizes")
+        scoring = [] if args.scoring_lengths == "none" else parse_int_list(args.scoring_lengths, "scoring-lengths")
         if args.decode_tokens < 0:
             raise ValueError(f"bad --decode-tokens {args.decode_tokens}: give 0 or more greedy decode steps")
         teacher = _check_models(args, args.dir)
@@ -217,9 +226,12 @@ def bench_main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             trust_remote_code=args.trust_remote_code,
             compile_student=args.compile,
+            scoring_lengths=scoring,
         )
         console = _console()
         console.print(render_table(report["rows"]))
+        if report["scoring"]:
+            console.print(render_scoring_table(report["scoring"]))
         console.print(
             f"{report['device']}, {report['dtype']}, student decoding {report['student_decoding']}, "
             f"decode rounds {report['schedule']}, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,16 @@ def _summary_cells(summary: dict[str, Any]) -> list[str]:
     return ["average", "", "", "", *("-" if v is None else f"{v:.3f}" for v in values)]
 
 
+def _time_cells(summary: dict[str, Any]) -> list[str] | None:
+    """The wall-time row (lm-eval's run for each model, loading included), when the run measured it."""
+    if summary.get("student_seconds") is None:
+        return None
+    values = (summary.get("teacher_seconds"), summary["student_seconds"])
+    cells = ["-" if v is None else f"{v:.0f}" for v in values]
+    ratio = "-" if values[0] is None else f"{values[1] / values[0]:.2f}"
+    return ["wall time", "seconds", "", "", *cells, ratio]
+
+
 def render_table(rows: list[dict[str, Any]], summary: dict[str, Any], title: str = "lm-eval, zero-shot") -> Any:
     """A rich Table of `compare` output, with the average row last."""
     from rich.table import Table
@@ -177,6 +188,8 @@ def render_table(rows: list[dict[str, Any]], summary: dict[str, Any], title: str
         table.add_row(*_cells(row))
     table.add_section()
     table.add_row(*_summary_cells(summary), style="bold")
+    if _time_cells(summary):
+        table.add_row(*_time_cells(summary))
     return table
 
 
@@ -185,6 +198,8 @@ def markdown_table(rows: list[dict[str, Any]], summary: dict[str, Any], note: st
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 5) + "|"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     lines.append("| " + " | ".join(f"**{c}**" if c else "" for c in _summary_cells(summary)) + " |")
+    if _time_cells(summary):
+        lines.append("| " + " | ".join(_time_cells(summary)) + " |")
     if note:
         lines += ["", note]
     return "\n".join(lines) + "\n"
@@ -246,15 +261,19 @@ def evaluate(
         "dtype": torch_dtype,
         "trust_remote_code": trust_remote_code,
     }
+    started = time.perf_counter()
     student_res = run_lm_eval(str(student_dir), **kwargs)
+    student_seconds, started = time.perf_counter() - started, time.perf_counter()
     teacher_res, teacher_location = _eval_teacher(tspec, **kwargs) if tspec else (None, None)
+    teacher_seconds = time.perf_counter() - started if tspec else None
     rows, summary = compare(student_res, teacher_res)
+    summary.update(student_seconds=student_seconds, teacher_seconds=teacher_seconds)
     note = (
         f"lm-eval {student_res.get('lm_eval_version', '?')}, zero-shot, {dtype_name(torch_dtype)} on {device}, "
         f"{'all' if limit is None else f'first {limit}'} examples per task, on the stock tasks' prompts and "
         f"metrics over the offline copies in `linearize.eval.tasks` (validation splits; ARC: test). "
         f"Teacher: `{tspec or 'not evaluated'}`. Scores ± standard error; "
-        f"student/teacher averaged over tasks is the recovery."
+        f"student/teacher averaged over tasks is the recovery; wall time: each model's lm-eval run, loading included."
     )
     md = markdown_table(rows, summary, note)
     paths = {

@@ -109,6 +109,27 @@ def test_models_benched_together_take_turns_round_by_round(model_dir):
         assert point["cache_bytes"] == kv_bytes(2, 26)
 
 
+def test_scoring_rows_time_full_forwards_taking_turns(model_dir):
+    from linearize.eval.bench import bench_scoring, scoring_rows
+
+    models = {name: LlamaForCausalLM.from_pretrained(model_dir).eval() for name in ("student", "teacher")}
+    calls = []
+    for name, model in models.items():
+        model.register_forward_pre_hook(lambda m, args, kwargs, name=name: calls.append((name, tuple(args[0].shape))), with_kwargs=True)
+    points = bench_scoring(models, lengths=[12, 24], batch_sizes=[1, 3], repeats=2)
+    # each point: one untimed and two timed forwards per model, the models alternating
+    expected = [(name, (b, n)) for n in (12, 24) for b in (1, 3) for _ in range(3) for name in models]
+    assert calls == expected
+    for name in models:
+        assert [(p["length"], p["batch"]) for p in points[name]] == [(12, 1), (12, 3), (24, 1), (24, 3)]
+        assert all(p["tok_s"] == pytest.approx(p["batch"] * p["length"] / p["seconds"]) for p in points[name])
+    rows = scoring_rows(points)
+    assert [r["speed_ratio"] for r in rows] == pytest.approx(
+        [s["tok_s"] / t["tok_s"] for s, t in zip(points["student"], points["teacher"], strict=True)]
+    )
+    assert scoring_rows({"student": points["student"]})[0]["speed_ratio"] is None
+
+
 def test_bench_loads_the_teacher_beside_the_student_only_where_it_fits(model_dir, monkeypatch):
     import linearize.eval.bench as bench
 
@@ -184,8 +205,13 @@ def test_bench_cli_writes_json_and_png(model_dir, capsys):
     assert set(report["points"]) == {"student", "teacher"}
     assert all(r["cache_ratio"] == 1.0 for r in report["rows"])
     assert report["schedule"] == "interleaved"
-    assert bench_main([str(model_dir), "--skip-teacher", "--contexts", "16", "--batch-sizes", "1", "--decode-tokens", "2"]) == 0
+    assert [(r["length"], r["batch"]) for r in report["scoring"]] == [(128, 1), (128, 2), (512, 1), (512, 2)]
+    assert all(r["speed_ratio"] > 0 for r in report["scoring"])
+    assert "Batched prefill as lm-eval scores" in (model_dir / "README.md").read_text()
+    argv = [str(model_dir), "--skip-teacher", "--contexts", "16", "--batch-sizes", "1", "--decode-tokens", "2", "--scoring-lengths", "none"]
+    assert bench_main(argv) == 0
     report = json.loads((model_dir / "bench.json").read_text())
+    assert report["scoring"] == []
     assert report["schedule"] == "one model" and set(report["points"]) == {"student"}
     assert report["rows"][0]["decode_speedup"] is None and report["rows"][0]["student_decode_tok_s"] > 0
 
@@ -194,6 +220,7 @@ def test_bench_cli_input_errors(model_dir, tmp_path, capsys):
     cases = [
         ([str(model_dir), "--contexts", "1k,4k"], "bad --contexts"),
         ([str(model_dir), "--batch-sizes", "0"], "bad --batch-sizes"),
+        ([str(model_dir), "--scoring-lengths", "512,x"], "bad --scoring-lengths"),
         ([str(tmp_path / "missing")], "does not exist"),
         ([str(model_dir)], "pass --teacher"),
     ]

@@ -94,6 +94,10 @@ def test_evaluate_writes_reports_and_model_card(dirs, tmp_path, monkeypatch):
     assert card.count(begin) == 1 and card.count(end) == 1
     assert f"| {TASK} | acc_norm | 2 |" in card
     assert "| task | metric" in (student / "eval.md").read_text()
+    summary = report["summary"]
+    assert summary["student_seconds"] > 0 and summary["teacher_seconds"] > 0
+    ratio = summary["student_seconds"] / summary["teacher_seconds"]
+    assert f"| wall time | seconds |  |  | {summary['teacher_seconds']:.0f} | {summary['student_seconds']:.0f} | {ratio:.2f} |" in card
 
 
 def test_compare_and_tables():
