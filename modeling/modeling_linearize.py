@@ -46,6 +46,7 @@ from transformers import initialization as init  # noqa: E402
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
+from transformers.utils.import_utils import is_torch_greater_or_equal  # noqa: E402
 
 from ..kernels.feature_maps import (  # noqa: E402
     elu_plus_one,
@@ -62,6 +63,7 @@ from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_confi
 from .families import Family, family_of  # noqa: E402
 
 Derived = TypeVar("Derived")
+SDPA_GROUPS = is_torch_greater_or_equal("2.5")  # SDPA's enable_gqa: query groups share their KV head uncopied
 RECURRENT_MAX_TOKENS = 16  # at most this many new tokens with a state: step the recurrence instead of chunking
 # The window/linear mix starts at sigmoid(2) = 0.88 on the softmax side: a converted layer begins close
 # to sliding-window-plus-sink attention, which alone keeps most of the teacher's quality, and learns the rest.
@@ -908,9 +910,12 @@ class LinearAttention(nn.Module):
                 k, v, valid = ring[:, :, 0, :L], ring[:, :, 1, :L], ring_valid[:, :L]
             # A query with no real key so far (left padding) sees itself, so its (unused) output stays finite.
             mask = _window_band(T, L, L, q.device) & (valid[:, None, None, :] | _window_band(T, L, 1, q.device))
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=self.kv_groups > 1
-        )
+        groups = {}
+        if self.kv_groups > 1 and SDPA_GROUPS:
+            groups = {"enable_gqa": True}
+        elif self.kv_groups > 1:
+            k, v = k.repeat_interleave(self.kv_groups, dim=1), v.repeat_interleave(self.kv_groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling, **groups)
 
     def _share_normalizer(self, o: torch.Tensor, win: torch.Tensor) -> torch.Tensor:
         """GLA's undivided terms and the window's, mixed per head by sigmoid(window factor), then divided once."""

@@ -1348,6 +1348,8 @@ def test_scoring_inside_the_window_takes_one_softmax_and_keeps_every_logit(sink,
     monkeypatch.setattr(LinearAttention, "_inside_window", lambda self, *a: calls.append(1) or inside(self, *a))
     fast = {use_cache: student(ids, attention_mask=mask, use_cache=use_cache).logits for use_cache in (False, True)}
     assert len(calls) == 4  # two linear layers, with and without a cache
+    monkeypatch.setattr(modeling_linearize, "SDPA_GROUPS", False)  # torch < 2.5: KV heads repeated for SDPA
+    fast["repeated"] = student(ids, attention_mask=mask, use_cache=False).logits
     monkeypatch.setattr(LinearAttention, "_has_gla_step", lambda self: False)  # the general path
     general = student(ids, attention_mask=mask, use_cache=False).logits
     for logits in fast.values():
