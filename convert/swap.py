@@ -72,8 +72,8 @@ def linearize_model(
     The student is built on the meta device and takes the teacher's tensors as its own (no copy, no
     random init of weights that are overwritten anyway), so teacher and student together hold one
     set of frozen weights. Only the linear layers' new parameters get memory and their own init.
-    Nothing here or in training writes a shared tensor in place (LoRA merges into new tensors), so
-    the teacher stays as it was.
+    Nothing here or in training writes a shared tensor in place (the LoRA merge gets its own copies of
+    the adapted projections first), so the teacher stays as it was.
     """
     config = student_config(teacher.config, layer_types, linear_attention or {}, teacher_name)
     config._attn_implementation_internal = text_config(teacher.config)._attn_implementation or "sdpa"

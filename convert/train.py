@@ -558,6 +558,7 @@ def lora_finetune(
     The KL's teacher is the student itself with softmax attention restored and LoRA disabled.
     """
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
 
     indices = [layer.layer_idx for layer in linear_layers(student)]
     if stage.lora_layers == "all":  # the softmax layers too: they can take over what the linear ones lose at length
@@ -600,7 +601,12 @@ def lora_finetune(
                 student.activation_checkpointing_disable()
                 for layer in linear:
                     layer.checkpoint_linear = False
-    # A safe merge writes new tensors: the frozen weights the teacher shares are never changed in place.
+    # The adapted projections get weights of their own before the merge, which writes into them in
+    # place from peft 0.22 on: the frozen weights the teacher shares are never changed.
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            base.weight = torch.nn.Parameter(base.weight.detach().clone(), requires_grad=False)
     merged = peft_model.merge_and_unload(safe_merge=True)
     for p in merged.parameters():
         p.requires_grad_(False)
