@@ -43,6 +43,7 @@ import inspect
 import json
 import logging
 import os
+import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -370,26 +371,18 @@ def bench_scoring(
                     if repeat:
                         times[name].append(seconds)
             for name, measured in times.items():
-                median = sorted(measured)[len(measured) // 2]
+                median = statistics.median(measured)
                 points[name].append({"length": length, "batch": batch, "seconds": median, "tok_s": batch * length / median})
     return points
 
 
 def scoring_rows(points: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per (length, batch): each model's tokens/s and the student's over the teacher's."""
-    teacher = {(p["length"], p["batch"]): p for p in points.get("teacher", [])}
+    teacher = {(p["length"], p["batch"]): p["tok_s"] for p in points.get("teacher", [])}
     rows = []
     for p in points["student"]:
         t = teacher.get((p["length"], p["batch"]))
-        rows.append(
-            {
-                "length": p["length"],
-                "batch": p["batch"],
-                "student_tok_s": p["tok_s"],
-                "teacher_tok_s": None if t is None else t["tok_s"],
-                "speed_ratio": None if t is None else p["tok_s"] / t["tok_s"],
-            }
-        )
+        rows.append({"length": p["length"], "batch": p["batch"], "student_tok_s": p["tok_s"], "teacher_tok_s": t, "speed_ratio": _ratio(p["tok_s"], t)})
     return rows
 
 
@@ -411,7 +404,7 @@ def render_scoring_table(rows: list[dict[str, Any]]) -> Any:
     for header, *_ in SCORING_COLUMNS:
         table.add_column(header, justify="right")
     for r in rows:
-        table.add_row(*(_fmt(r[key], scale, spec) for _, key, scale, spec in SCORING_COLUMNS))
+        table.add_row(*_cells(r, SCORING_COLUMNS))
     return table
 
 
@@ -471,6 +464,17 @@ def _fmt(value: float | None, scale: float = 1.0, spec: str = ".2f") -> str:
     return "-" if value is None else format(value if scale == 1 else value / scale, spec)
 
 
+def _cells(row: dict[str, Any], columns: tuple) -> list[str]:
+    """A row's cells as `columns` (header, key, scale, format) format them."""
+    return [_fmt(row[key], scale, spec) for _, key, scale, spec in columns]
+
+
+def _markdown(columns: tuple, rows: list[list[str]]) -> str:
+    """A Markdown table of right-aligned columns, the headers on one line."""
+    lines = ["| " + " | ".join(header.replace("\n", " ") for header, *_ in columns) + " |", "|" + "---:|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
 TABLE_COLUMNS = (
     # header, row key, scale, format
     ("ctx", "context", 1, "d"),
@@ -503,7 +507,7 @@ def render_table(rows: list[dict[str, Any]], title: str = TITLE) -> Any:
     for header, *_ in TABLE_COLUMNS:
         table.add_column(header, justify="right")
     for r in rows:
-        cells = [_fmt(r[key], scale, spec) for _, key, scale, spec in TABLE_COLUMNS]
+        cells = _cells(r, TABLE_COLUMNS)
         if r["status"] != "ok":
             cells[2] = str(r["status"])
         table.add_row(*cells)
@@ -512,34 +516,33 @@ def render_table(rows: list[dict[str, Any]], title: str = TITLE) -> Any:
 
 # The model card's table: the columns a reader compares, from the terminal table's.
 MARKDOWN_COLUMNS = tuple(
-    (header.replace("\n", " "), key, scale, spec)
-    for header, key, scale, spec in TABLE_COLUMNS
-    if key not in ("student_bound_tok_s", "student_bound_fraction", "teacher_bound_fraction", "student_peak_mem_bytes")
+    column
+    for column in TABLE_COLUMNS  # `_markdown` puts each header on one line
+    if column[1] not in ("student_bound_tok_s", "student_bound_fraction", "teacher_bound_fraction", "student_peak_mem_bytes")
 )
 
 
 def markdown_table(report: dict[str, Any]) -> str:
     """The bench rows as Markdown for the model card, with what was measured and how."""
-    lines = ["| " + " | ".join(h for h, *_ in MARKDOWN_COLUMNS) + " |", "|" + "---:|" * len(MARKDOWN_COLUMNS)]
+    rows = []
     for r in report["rows"]:
-        cells = [_fmt(r[key], scale, spec) for _, key, scale, spec in MARKDOWN_COLUMNS]
+        cells = _cells(r, MARKDOWN_COLUMNS)
         if r["status"] != "ok":
             cells[2] = str(r["status"])
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
     note = (
         f"{report['device']}, {report['dtype']}, student decoding {report['student_decoding']}, "
         f"{report['decode_tokens']} decoded tokens per point. ×: speedup over the teacher (`{report['teacher']}`), "
         "S/T: student over teacher. Reproduce: `linearize bench DIR --contexts "
         f"{','.join(map(str, report['contexts']))} --batch-sizes {','.join(map(str, report['batch_sizes']))}`."
     )
-    text = "\n".join(lines) + "\n\n" + note + "\n"
+    text = _markdown(MARKDOWN_COLUMNS, rows) + "\n\n" + note + "\n"
     if report.get("scoring"):
-        lines = ["| " + " | ".join(h for h, *_ in SCORING_COLUMNS) + " |", "|" + "---:|" * len(SCORING_COLUMNS)]
-        lines += ["| " + " | ".join(_fmt(r[key], scale, spec) for _, key, scale, spec in SCORING_COLUMNS) + " |" for r in report["scoring"]]
         lengths = ",".join(map(str, report["scoring_lengths"]))
+        scoring = _markdown(SCORING_COLUMNS, [_cells(r, SCORING_COLUMNS) for r in report["scoring"]])
         text += (
             "\nBatched prefill as lm-eval scores (one forward, every position's logits, median of "
-            f"{SCORING_REPEATS}; `--scoring-lengths {lengths}`):\n\n" + "\n".join(lines) + "\n"
+            f"{SCORING_REPEATS}; `--scoring-lengths {lengths}`):\n\n" + scoring + "\n"
         )
     return text
 

@@ -188,8 +188,8 @@ def render_table(rows: list[dict[str, Any]], summary: dict[str, Any], title: str
         table.add_row(*_cells(row))
     table.add_section()
     table.add_row(*_summary_cells(summary), style="bold")
-    if _time_cells(summary):
-        table.add_row(*_time_cells(summary))
+    if (timing := _time_cells(summary)) is not None:
+        table.add_row(*timing)
     return table
 
 
@@ -198,8 +198,8 @@ def markdown_table(rows: list[dict[str, Any]], summary: dict[str, Any], note: st
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 5) + "|"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     lines.append("| " + " | ".join(f"**{c}**" if c else "" for c in _summary_cells(summary)) + " |")
-    if _time_cells(summary):
-        lines.append("| " + " | ".join(_time_cells(summary)) + " |")
+    if (timing := _time_cells(summary)) is not None:
+        lines.append("| " + " | ".join(timing) + " |")
     if note:
         lines += ["", note]
     return "\n".join(lines) + "\n"
