@@ -218,17 +218,29 @@ def update_section(folder: str | Path, section: str, markdown: str) -> None:
     tmp.replace(readme)
 
 
+def context_cells(row: dict[str, Any]) -> list[str]:
+    """A perplexity-against-context row's cells: length, tokens, teacher, student, S/T, then the state-off
+    control where measured (its perplexity, its ratio to the teacher, how much worse than the student)."""
+
+    def cell(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    cells = [str(row["context"]), str(row["tokens"]), cell(row["teacher"], ".2f"), cell(row["student"], ".2f"), cell(row["ratio"], ".3f")]
+    if "state_off" in row:
+        carries = row["state_off"] / row["student"] - 1
+        cells += [cell(row["state_off"], ".2f"), cell(row["state_off_ratio"], ".3f"), f"{100 * carries:+.1f}%"]
+    return cells
+
+
+CONTEXT_COLUMNS = ["context", "tokens", "teacher ppl", "student ppl", "student / teacher"]
+STATE_OFF_COLUMNS = ["state off ppl", "state off / teacher", "state carries"]
+
+
 def context_markdown(rows: list[dict[str, Any]], note: str = "") -> str:
-    """The perplexity-against-context table as Markdown."""
-
-    def cell(value: float | None, digits: int) -> str:
-        return "-" if value is None else f"{value:.{digits}f}"
-
-    lines = ["| context | tokens | teacher ppl | student ppl | student / teacher |", "|---:|---:|---:|---:|---:|"]
-    lines += [
-        f"| {r['context']} | {r['tokens']} | {cell(r['teacher'], 2)} | {cell(r['student'], 2)} | {cell(r['ratio'], 3)} |"
-        for r in rows
-    ]
+    """The perplexity-against-context table as Markdown (with the state-off control's columns where measured)."""
+    columns = CONTEXT_COLUMNS + (STATE_OFF_COLUMNS if any("state_off" in r for r in rows) else [])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
+    lines += ["| " + " | ".join(context_cells(r)) + " |" for r in rows]
     return "\n".join(lines + ([f"\n{note}"] if note else [])) + "\n"
 
 
@@ -265,11 +277,13 @@ def conversion_markdown(report: dict[str, Any]) -> str:
             table.append(f"| {name} | {stage['tokens']:,} | {stage['seconds']:.0f} s | {loss} |")
         parts.append("\n".join(table))
     facts = []
-    scores = {int(i): v for i, v in (report.get("retrieval_scores") or {}).items()}
     kept = [i for i, kind in enumerate(report.get("layer_types") or []) if kind not in (LINEAR, SLIDING)]
-    if scores and kept:
-        ranked = sorted(kept, key=lambda i: -scores[i])
-        facts.append("Softmax layers kept (the teacher's retrieval score): " + ", ".join(f"{i} ({scores[i]:.2f})" for i in ranked) + ".")
+    rankings = (("retrieval_scores", "the teacher's retrieval score", ".2f"), ("kl_gains", "the drop in KL to the teacher when restored", ".3g"))
+    for key, label, fmt in rankings:
+        scores = {int(i): v for i, v in (report.get(key) or {}).items()}
+        if scores and kept:
+            ranked = sorted(kept, key=lambda i: -scores[i])
+            facts.append(f"Softmax layers kept ({label}): " + ", ".join(f"{i} ({scores[i]:{fmt}})" for i in ranked) + ".")
     memory = report.get("memory") or {}
     if memory:
         facts.append(

@@ -62,8 +62,8 @@ def convert_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--placement",
         choices=PLACEMENTS,
-        help="where the softmax layers go: spread evenly, top, measured (worst transfer error) or retrieval "
-        "(the teacher's long-range retrieval layers)",
+        help="where the softmax layers go: spread evenly, top, measured (worst transfer error), kl (largest drop "
+        "in KL to the teacher when restored) or retrieval (the teacher's long-range retrieval layers)",
     )
     plan.add_argument(
         "--convert-sliding",

@@ -39,13 +39,14 @@ from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_reci
 from .retrieval import haystack_text, retrieval_scores
 from .sources import check_weights, load_config, load_model, resolve
 from .swap import check_supported, linearize_model, new_parameters
-from .train import StageResult, attention_transfer, lora_finetune, measure_layer_errors
+from .train import StageResult, attention_transfer, lora_finetune, measure_kl_gains, measure_layer_errors
 
 logger = logging.getLogger(__name__)
 
 MEASURE_TOKENS = 8192  # stage-1 budget of the all-linear pass that `measured` placement ranks layers with
 MEASURE_ROWS_TOKENS = 2048  # tokens its per-layer errors are measured on
-SCORE_KINDS = ("layer_errors", "retrieval_scores")  # the per-layer rankings a work folder keeps
+SCORE_OF = {"measured": "layer_errors", "kl": "kl_gains", "retrieval": "retrieval_scores"}  # placement: its ranking
+SCORE_KINDS = tuple(SCORE_OF.values())  # the per-layer rankings a work folder keeps
 QUALITY_LIMIT = 1.5  # student over teacher perplexity at the held-out length past which the run says it failed
 
 
@@ -66,6 +67,7 @@ class ConversionReport:
     contexts: list[dict[str, Any]] = field(default_factory=list)  # perplexity against context, teacher and student
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     layer_errors: dict[str, float] = field(default_factory=dict)  # measured placement's ranking
+    kl_gains: dict[str, float] = field(default_factory=dict)  # kl placement's ranking
     retrieval_scores: dict[str, float] = field(default_factory=dict)  # retrieval placement's ranking
     memory: dict[str, Any] = field(default_factory=dict)  # peak bytes against the teacher's weight bytes
     seconds: float = 0.0
@@ -92,11 +94,11 @@ class ConversionReport:
         """(metric, value) rows for the before/after table."""
         ppl = self.perplexity
         rows = [("model", f"{self.model} -> {self.resolved}"), ("layer plan (L linear, S softmax, W sliding window)", self.plan)]
-        if self.retrieval_scores:
-            score = {int(i): v for i, v in self.retrieval_scores.items()}
-            kept = sorted((i for i, kind in enumerate(self.layer_types) if kind not in (LINEAR, SLIDING)), key=lambda i: -score[i])
-            scores = ", ".join(f"{i} ({score[i]:.2f})" for i in kept)
-            rows.append(("softmax layers by retrieval score", scores))
+        for label, ranking, fmt in (("retrieval score", self.retrieval_scores, ".2f"), ("KL drop when restored", self.kl_gains, ".3g")):
+            if ranking:
+                score = {int(i): v for i, v in ranking.items()}
+                kept = sorted((i for i, kind in enumerate(self.layer_types) if kind not in (LINEAR, SLIDING)), key=lambda i: -score[i])
+                rows.append((f"softmax layers by {label}", ", ".join(f"{i} ({score[i]:{fmt}})" for i in kept)))
         for key, label in (("teacher", "teacher"), ("zero_shot", "student, no training"), ("student", "student")):
             if key in ppl:
                 ratio = f" ({ppl[key] / ppl['teacher']:.3f}x teacher)" if key != "teacher" and "teacher" in ppl else ""
@@ -366,6 +368,7 @@ class Selection:
 
     types: list[str]
     layer_errors: dict[int, float] = field(default_factory=dict)  # measured: relative transfer error
+    kl_gains: dict[int, float] = field(default_factory=dict)  # kl: drop in KL to the teacher when restored
     retrieval_scores: dict[int, float] = field(default_factory=dict)  # retrieval: attention on far facts
     trained: dict[str, torch.Tensor] | None = None  # the measuring pass's new parameters, when they fit
 
@@ -382,7 +385,9 @@ def select_layers(
     """Stage 1: the layer plan, from the recipe, or scored on the teacher by a scored placement.
 
     `measured` trains every layer as linear on a short transfer and keeps softmax where the error is
-    largest; `retrieval` keeps softmax where the teacher's heads fetch a fact from beyond the window.
+    largest; `kl` trains the same all-linear student and keeps softmax where restoring one layer lowers
+    the KL to the teacher most; `retrieval` keeps softmax where the teacher's heads fetch a fact from
+    beyond the window.
     A recipe's kept plan serves its own model without scoring.
     """
     n_layers = text_config(teacher.config).num_hidden_layers
@@ -394,11 +399,12 @@ def select_layers(
     if layers.placement in SCORED and not linear and own_model and layers.measured:
         linear = layers.measured
         logger.info("using the recipe's kept %s plan", layers.placement)
-    if layers.placement == "measured" and not linear and not selection.layer_errors:
-        logger.info("measuring every layer as linear with a short attention transfer")
-        # Layers are ranked with the feature maps on RoPE'd q/k, as the teacher sees them: that ranking
-        # measured better for students of either kind.
-        measure_settings = {**settings, "rope_features": True}
+    kind = SCORE_OF.get(layers.placement)
+    if layers.placement in ("measured", "kl") and not linear and not getattr(selection, kind):
+        logger.info("training every layer as linear with a short attention transfer, to rank the layers")
+        # `measured` ranks with the feature maps on RoPE'd q/k, as the teacher sees them: that ranking measured
+        # better for students of either kind. `kl` ranks the student's own layers.
+        measure_settings = {**settings, "rope_features": True} if layers.placement == "measured" else settings
         every = linearize_model(teacher, plan_layers(n_layers, linear_layers=list(range(n_layers))), measure_settings)
         stage = dataclasses.replace(
             recipe.transfer,
@@ -407,7 +413,11 @@ def select_layers(
         )
         rows = _stage_data(stage, tokenizer, recipe.seed)[0]
         attention_transfer(every, rows, stage, accelerator, None, shard)
-        selection.layer_errors = measure_layer_errors(every, rows[: max(1, MEASURE_ROWS_TOKENS // rows.shape[1])])
+        scored_rows = rows[: max(1, MEASURE_ROWS_TOKENS // rows.shape[1])]
+        if layers.placement == "measured":
+            selection.layer_errors = measure_layer_errors(every, scored_rows)
+        else:
+            selection.kl_gains = measure_kl_gains(every, scored_rows)
         if measure_settings == settings:  # its maps fit the student's inputs: a head start for stage 1
             selection.trained = {name: p.detach() for name, p in new_parameters(every).items()}
     if layers.placement == "retrieval" and not linear and not selection.retrieval_scores:
@@ -417,7 +427,7 @@ def select_layers(
         selection.retrieval_scores = retrieval_scores(teacher, tokenizer, settings, haystack_text(texts), recipe.seed)
     if work is not None:
         work.put("layer_scores", {k: getattr(selection, k) for k in SCORE_KINDS if getattr(selection, k)})
-    scores = selection.retrieval_scores if layers.placement == "retrieval" else selection.layer_errors
+    scores = getattr(selection, kind) if kind else {}
     ranked = [scores.get(i, 0.0) for i in range(n_layers)] if scores else None
     # retrieval on a context too short to reach past the window: nothing to rank by (retrieval_scores warned)
     placement = "spread" if layers.placement == "retrieval" and not scores else layers.placement
@@ -536,6 +546,7 @@ def convert(
         plan=describe(types),
         layer_types=types,
         layer_errors={str(k): v for k, v in sorted(selection.layer_errors.items())},
+        kl_gains={str(k): v for k, v in sorted(selection.kl_gains.items())},
         retrieval_scores={str(k): v for k, v in sorted(selection.retrieval_scores.items())},
         heldout_tokens=recipe.eval.heldout_tokens,
         heldout_seq_len=recipe.eval.heldout_seq_len,

@@ -3,8 +3,9 @@
 A plan is a list of layer types. It comes from an explicit list of indices, or from a ratio
 (linear:softmax) and a placement: `spread` puts the softmax layers evenly through the depth, `top`
 keeps softmax in the top layers, `measured` keeps softmax where a short attention transfer matched
-the teacher worst, `retrieval` where the teacher's heads fetch a fact from beyond the window
-(`retrieval.py`).
+the teacher worst, `kl` where restoring a briefly transferred all-linear student's layer to softmax
+lowers its KL to the teacher most, `retrieval` where the teacher's heads fetch a fact from beyond the
+window (`retrieval.py`).
 
 Sliding-window layers (Gemma 3's five local layers per global one, Mistral-style configs that mark
 them in `layer_types`) already keep a constant-size cache, so converting them buys no memory and
@@ -25,8 +26,8 @@ if TYPE_CHECKING:  # the CLI's --help reads PLACEMENTS here: no torch or transfo
 
 FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
 RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
-PLACEMENTS = ("spread", "top", "measured", "retrieval")
-SCORED = ("measured", "retrieval")  # placements that rank layers by a per-layer score the run measures
+PLACEMENTS = ("spread", "top", "measured", "kl", "retrieval")
+SCORED = ("measured", "kl", "retrieval")  # placements that rank layers by a per-layer score the run measures
 
 
 def parse_ratio(text: str) -> tuple[int, int]:

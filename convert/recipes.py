@@ -33,13 +33,13 @@ def auto_dtype(device: torch.device | str) -> torch.dtype:
 @dataclass
 class LayerPlan:
     ratio: str | None = "3:1"  # linear:softmax
-    placement: str = "spread"  # spread | top | measured | retrieval
+    placement: str = "spread"  # spread | top | measured | kl | retrieval
     linear_layers: list[int] | None = None  # explicit indices override ratio/placement
     keep_softmax: list[int] = field(default_factory=list)  # layers that never become linear
     # keep: a ratio counts the global layers and leaves sliding-window layers softmax (their cache is
     # bounded already); convert: a ratio counts every layer
     sliding: str = "keep"
-    # The linear layers a scored placement (measured, retrieval) chose for the recipe's own model,
+    # The linear layers a scored placement (measured, kl, retrieval) chose for the recipe's own model,
     # reused for it instead of measuring again (the transfer ranking is short and noisy); ignored for
     # any other model.
     measured: list[int] | None = None

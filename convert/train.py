@@ -489,6 +489,37 @@ def measure_layer_errors(student: LinearizeForCausalLM, data: torch.Tensor, batc
     return {i: sum(v) / len(v) for i, v in errors.items()}
 
 
+@torch.no_grad()
+def measure_kl_gains(student: LinearizeForCausalLM, data: torch.Tensor, batch_size: int = 1) -> dict[int, float]:
+    """Per linear layer: how much the next-token KL to the teacher drops when that layer alone runs its
+    teacher's softmax again (KL-guided selection: the layers whose restoring pays most keep softmax).
+
+    The teacher is the same model with every layer restored, so one set of weights serves all 1 + N
+    configurations; each row's KL is the mean over its positions, as stage 2 trains it.
+    """
+    layers = linear_layers(student)
+    gains = {layer.layer_idx: 0.0 for layer in layers}
+    batches = range(0, data.shape[0], batch_size)
+    was_training = student.training
+    student.eval()
+    try:
+        for start in tqdm(batches, desc="KL placement", unit="batch", leave=False):
+            rows = data[start : start + batch_size]
+            with teacher_attention(student):
+                target = student.base_model(input_ids=rows, use_cache=False).last_hidden_state
+            every_linear = next_token_loss(student, student.base_model(input_ids=rows, use_cache=False).last_hidden_state, target=target)
+            for layer in tqdm(layers, desc="restoring one layer", unit="layer", leave=False):
+                layer.teacher_attention = True
+                try:
+                    hidden = student.base_model(input_ids=rows, use_cache=False).last_hidden_state
+                finally:
+                    layer.teacher_attention = False
+                gains[layer.layer_idx] += (every_linear - next_token_loss(student, hidden, target=target)).item()
+    finally:
+        student.train(was_training)
+    return {i: gain / len(batches) for i, gain in gains.items()}
+
+
 @contextmanager
 def teacher_attention(model: torch.nn.Module) -> Iterator[None]:
     """Linear layers run the teacher's softmax forward while inside: with LoRA disabled, the student is its teacher.
