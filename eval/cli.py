@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
+from . import CONTROLS
 from ..options import DTYPE_HELP, ListOption, Parser, dtype_name, fail, split_list
 
 log = logging.getLogger(__name__)
@@ -290,6 +291,13 @@ def ppl_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-teacher", action="store_true", help="score only MODEL")
     _context_args(p)
     p.add_argument("--plot", default=None, help="PNG of the curves (default: MODEL/context.png for a converted folder)")
+    p.add_argument(
+        "--control",
+        choices=CONTROLS,
+        default=None,
+        help="also score MODEL with a control: state-off zeroes every linear layer's state, leaving the window and "
+        "sinks, and shows what the state carries",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="one sliding-window perplexity with this window instead")
     p.add_argument("--stride", type=int, default=256, help="with --seq-len: tokens each window moves on")
     p.add_argument(
@@ -360,6 +368,7 @@ def ppl_main(argv: list[str] | None = None) -> int:
             progress=True,
             dtype=dtype,
             trust_remote_code=args.trust_remote_code,
+            controls=[args.control] if args.control else [],
         )
         console = _console()
         for name, rows in report["contexts"].items():

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..convert.card import context_markdown
+from ..convert.card import CONTEXT_COLUMNS, STATE_OFF_COLUMNS, context_cells, context_markdown
 from ..convert.measure import compare_contexts, perplexity_by_context
+from . import CONTROLS
 
 log = logging.getLogger(__name__)
 
@@ -82,26 +84,57 @@ def load_text(
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
 
 
+def state_off_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """The linear layers `state_off` switches, or a one-line error when the control cannot apply."""
+    layers = getattr(model, "linear_attentions", None)
+    if not layers:
+        raise ValueError("--control state-off needs a converted model with linear layers: this one has none")
+    mixless = sorted({layer.kind for layer in layers if not hasattr(layer, "window_factor")})
+    if mixless:
+        raise ValueError(
+            f"--control state-off switches off the state of layers that mix it with a softmax window, and this model's "
+            f"{', '.join(mixless)} layers have no such mix: use it on a GLA or deltanet export with a window"
+        )
+    return layers
+
+
+@contextmanager
+def state_off(model: torch.nn.Module) -> Iterator[None]:
+    """Every linear layer attends with its window and sinks only, while inside: what the linear state carries.
+
+    A layer mixes the state's terms and the window's (sinks included) by sigmoid(window factor) per head;
+    an infinite factor gives the window weight exactly 1 and the state 0 (the delta rule's added form
+    weighs its state by sigmoid(-factor) = 0), on every path, decoding included.
+    """
+    layers = state_off_layers(model)
+    saved = [layer.window_factor.detach().clone() for layer in layers]
+    with torch.no_grad():
+        for layer in layers:
+            layer.window_factor.fill_(float("inf"))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for layer, factor in zip(layers, saved):
+                layer.window_factor.copy_(factor)
+
+
 def render_context_table(rows: list[dict[str, Any]], title: str) -> Any:
     """The same table for the terminal (rich)."""
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("context", "tokens", "teacher ppl", "student ppl", "S/T"):
+    columns = CONTEXT_COLUMNS + (STATE_OFF_COLUMNS if any("state_off" in r for r in rows) else [])
+    for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(
-            str(r["context"]),
-            str(r["tokens"]),
-            "-" if r["teacher"] is None else f"{r['teacher']:.2f}",
-            "-" if r["student"] is None else f"{r['student']:.2f}",
-            "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
-        )
+        table.add_row(*context_cells(r))
     return table
 
 
 def plot_contexts(curves: dict[str, list[dict[str, Any]]], path: str | Path) -> Path:
-    """Perplexity against context length (log x), teacher dashed and student solid, one colour per text."""
+    """Perplexity against context length (log x), teacher dashed and student solid, one colour per text; the
+    ratio panel adds the state-off control (dotted) where it was measured."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,6 +148,8 @@ def plot_contexts(curves: dict[str, list[dict[str, Any]]], path: str | Path) -> 
         if all(r["teacher"] is not None for r in rows):
             ax.plot(x, [r["teacher"] for r in rows], marker="s", ls="--", color=color, label=f"teacher, {name}")
             ax_ratio.plot(x, [r["ratio"] for r in rows], marker="o", color=color, label=name)
+            if all(r.get("state_off_ratio") is not None for r in rows):
+                ax_ratio.plot(x, [r["state_off_ratio"] for r in rows], marker="x", ls=":", color=color, label=f"{name}, state off")
     for a in (ax, ax_ratio):
         a.set_xscale("log", base=2)
         a.set_xlabel("context length (tokens)")
@@ -145,8 +180,10 @@ def context_report(
     *,
     dtype: str | torch.dtype = "auto",
     trust_remote_code: bool = False,
+    controls: Iterable[str] = (),
 ) -> dict[str, Any]:
-    """Perplexity against context for a model (and its teacher, when given) on each named text.
+    """Perplexity against context for a model (and its teacher, when given) on each named text; with the
+    `state-off` control, also the model's with every linear layer's state switched off (`state_off`).
 
     Returns {"contexts": {text name: rows of `compare_contexts`}, "teacher", "student", "max_tokens",
     "device", "dtype"}. Lengths beyond the teacher's `max_position_embeddings` are dropped for both
@@ -155,10 +192,15 @@ def context_report(
     """
     from .models import dtype_name, load, resolve_device_dtype
 
+    unknown = [c for c in controls if c not in CONTROLS]
+    if unknown:
+        raise ValueError(f"unknown control {unknown[0]!r}: use {', '.join(CONTROLS)}")
     device, torch_dtype = resolve_device_dtype(device, dtype)
     model, tokenizer, _ = load(student, device=device, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if tokenizer is None:
         raise FileNotFoundError(f"{student!r} has no tokenizer: save one next to the model")
+    if "state-off" in controls:
+        state_off_layers(model)  # a model the control cannot apply to is refused before any scoring
     limit = model.config.max_position_embeddings
     teacher_model = None
     if teacher:
@@ -176,6 +218,12 @@ def context_report(
         if teacher_model is not None:
             t_rows = perplexity_by_context(teacher_model, None, ids, lengths, max_tokens, batch_size, progress)
         curves[name] = compare_contexts(s_rows, t_rows)
+        if "state-off" in controls:
+            with state_off(model):
+                off_rows = perplexity_by_context(model, None, ids, lengths, max_tokens, batch_size, progress)
+            for row, off in zip(curves[name], off_rows):
+                row["state_off"] = off["ppl"]
+                row["state_off_ratio"] = None if row["teacher"] is None else off["ppl"] / row["teacher"]
     return {
         "contexts": curves,
         "student": student,
@@ -183,6 +231,7 @@ def context_report(
         "max_tokens": max_tokens,
         "device": device,
         "dtype": dtype_name(torch_dtype),
+        "controls": list(controls),
     }
 
 

@@ -305,3 +305,22 @@ def test_ppl_puts_its_table_in_the_card(tiny_export, tmp_path):
     block = card[card.index(begin) : card.index(end)]
     assert card.count(begin) == 1 and "| 16 | 64 | - |" in block and "| 32 |" not in block
     assert (folder / "context.json").is_file()
+
+
+def test_ppl_state_off_control_adds_its_columns(tiny_export, tmp_path):
+    """`linearize ppl --control state-off` scores the student again without its state, in the JSON and the card."""
+    import shutil
+
+    from linearize.eval.cli import ppl_main
+
+    folder = tmp_path / "export"
+    shutil.copytree(tiny_export[2], folder)
+    argv = [str(folder), "--skip-teacher", "--contexts", "8,32", "--context-tokens", "64", "--texts", "pydoc", "--control", "state-off"]
+    assert ppl_main(argv) == 0
+    rows = json.loads((folder / "context.json").read_text())["contexts"]["pydoc"]
+    assert [r["context"] for r in rows] == [8, 32] and all(r["state_off"] > 0 for r in rows)
+    assert rows[1]["state_off"] != rows[1]["student"]  # past the 4-token window the state counts
+    block = (folder / "README.md").read_text()
+    assert "| state off ppl | state off / teacher | state carries |" in block
+    carries = 100 * (rows[1]["state_off"] / rows[1]["student"] - 1)
+    assert f"| {rows[1]['state_off']:.2f} | - | {carries:+.1f}% |" in block
