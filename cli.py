@@ -1,4 +1,4 @@
-"""The `linearize` command: the convert verb by default, or `eval`, `bench`, `ppl`, `recall`.
+"""The `linearize` command: the convert verb by default, or `eval`, `bench`, `ppl`, `recall`, `frontier`.
 
 Errors a user can fix become one line on stderr and exit code 2; Ctrl-C during a stage exits 130
 with the progress saved. Nothing heavy is imported before the arguments are parsed, so `--help`,
@@ -11,7 +11,7 @@ import sys
 
 from .options import fail
 
-SUBCOMMANDS = ("eval", "bench", "ppl", "recall")
+SUBCOMMANDS = ("eval", "bench", "ppl", "recall", "frontier")
 
 
 def _dispatch(argv: list[str]) -> int:
@@ -23,6 +23,10 @@ def _dispatch(argv: list[str]) -> int:
             from .eval.kernel_bench import kernel_bench_main
 
             return kernel_bench_main([a for a in rest if a != "--kernels"])
+        if verb == "frontier":
+            from .eval.frontier import frontier_main
+
+            return frontier_main(rest)
         verbs = {
             "eval": eval_cli.eval_main,
             "bench": eval_cli.bench_main,

@@ -45,7 +45,7 @@ def convert_parser() -> argparse.ArgumentParser:
         prog="linearize",
         description="Convert a softmax-attention LLM into a hybrid linear-attention model, recover its quality "
         "by attention transfer and LoRA, and export a transformers model. Other verbs: "
-        "`linearize eval DIR`, `linearize bench DIR`, `linearize ppl MODEL`, `linearize recall DIR` (each has --help).",
+        "`linearize eval DIR`, `linearize bench DIR`, `linearize ppl MODEL`, `linearize recall DIR`, `linearize frontier DIR... --output OUT` (each has --help).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

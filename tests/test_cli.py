@@ -553,7 +553,7 @@ def test_version(tmp_path):
     assert proc.stdout == f"linearize {importlib.metadata.version('linearize')}\n"
 
 
-@pytest.mark.parametrize("verb", [[], ["eval"], ["bench"], ["ppl"], ["recall"]])
+@pytest.mark.parametrize("verb", [[], ["eval"], ["bench"], ["ppl"], ["recall"], ["frontier"]])
 def test_help_imports_neither_torch_nor_transformers(verb, tmp_path):
     """--help answers in well under 2 s because it imports nothing heavy."""
     code = (
