@@ -343,11 +343,14 @@ def generic_recipe(model: str, n_params: int, accelerated: bool) -> Recipe:
 
 
 def shipped_recipe_for(model: str) -> Recipe | None:
-    """The shipped recipe whose alias, model or name matches `model`."""
-    for recipe in shipped_recipes().values():
-        if model in recipe.aliases or model == recipe.model or model == recipe.name:
+    """The shipped recipe whose name or alias is `model`; for a model spec, that model's default recipe (the
+    one with short names; several recipes, e.g. one per ratio, can share a model)."""
+    recipes = shipped_recipes().values()
+    for recipe in recipes:
+        if model == recipe.name or model in recipe.aliases:
             return recipe
-    return None
+    matching = sorted((r for r in recipes if r.model == model), key=lambda r: (not r.aliases, r.name))
+    return matching[0] if matching else None
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

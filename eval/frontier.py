@@ -3,8 +3,9 @@ placements, measured the same way and put in one table and one plot.
 
     linearize frontier out/smollm2-gla-3to1 out/smollm2-gla-7to1 ... --output out/frontier
 
-Each export is measured once; its row is kept in OUTPUT/rows/<folder name>.json with the settings it was
-measured under, so adding an export measures only that one. A row holds:
+Each export is measured once, in three parts (`--parts`): each part is kept in OUTPUT/rows/<folder
+name>.json with the settings it was measured under, so adding an export, or a part left for later, measures
+only what is missing. A row holds:
 - held-out perplexity against the teacher at each context (default 512, 2K, 8K) on each text, with the
   state-off control (every linear layer's state weighed 0: what the state carries);
 - recall, the student's mean over the recall suite's tasks and depths against the teacher's, per length;
@@ -59,8 +60,15 @@ def describe_export(folder: Path) -> dict[str, Any]:
     }
 
 
-def measure_export(folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    """Every measurement of one export against its recorded teacher (see the module docstring)."""
+PARTS = {  # what each part of a row measures, and the settings it depends on
+    "perplexity": ("contexts", "texts", "context_tokens", "device"),
+    "recall": ("recall_lengths", "recall_depths", "recall_samples", "device"),
+    "decode": ("decode_context", "decode_tokens", "compiled", "device"),
+}
+
+
+def measure_part(part: str, folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """One part of an export's row against its recorded teacher (see the module docstring)."""
     from .bench import run_bench
     from .models import teacher_spec
     from .perplexity import context_report
@@ -68,15 +76,19 @@ def measure_export(folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
     from ..convert.data import eval_text
 
     teacher = teacher_spec(str(folder), None)
-    texts = {name: eval_text(name) for name in settings["texts"]}
-    ppl = context_report(
-        str(folder), teacher, texts, settings["contexts"], settings["context_tokens"], settings["device"],
-        progress=True, controls=["state-off"],
-    )  # fmt: skip
-    recall = run_recall(
-        str(folder), teacher, settings["recall_lengths"], settings["recall_depths"], settings["recall_samples"],
-        device=settings["device"],
-    )  # fmt: skip
+    if part == "perplexity":
+        texts = {name: eval_text(name) for name in settings["texts"]}
+        report = context_report(
+            str(folder), teacher, texts, settings["contexts"], settings["context_tokens"], settings["device"],
+            progress=True, controls=["state-off"],
+        )  # fmt: skip
+        return report["contexts"]
+    if part == "recall":
+        report = run_recall(
+            str(folder), teacher, settings["recall_lengths"], settings["recall_depths"], settings["recall_samples"],
+            device=settings["device"],
+        )  # fmt: skip
+        return report["summary"]["per_length"]
     decode = {}
     for mode in ("eager", "compiled") if settings["compiled"] else ("eager",):
         bench = run_bench(
@@ -84,35 +96,25 @@ def measure_export(folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
             compile_student=mode == "compiled", scoring_lengths=[],
         )  # fmt: skip
         (row,) = bench["rows"]
-        decode[mode] = {
-            key: row[key]
-            for key in ("status", "decode_speedup", "student_decode_tok_s", "teacher_decode_tok_s", "student_cache_bytes", "teacher_cache_bytes")
-        }
-        decode["device"] = bench["device"]
-    return {
-        "perplexity": {name: rows for name, rows in ppl["contexts"].items()},
-        "recall": {length: cell["ratio"] for length, cell in recall["summary"]["per_length"].items()},
-        "recall_means": recall["summary"]["per_length"],
-        "decode": decode,
-    }
+        keys = ("status", "decode_speedup", "student_decode_tok_s", "teacher_decode_tok_s", "student_cache_bytes", "teacher_cache_bytes")
+        decode[mode] = {key: row[key] for key in keys} | {"device": bench["device"]}
+    return decode
 
 
 def frontier_row(export: dict[str, Any], measured: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
-    """One row of the table: the export's plan and its figures against the teacher."""
+    """One row of the table: the export's plan and its figures against the teacher (None where not measured)."""
     longest = max(settings["contexts"])
-    ppl = {
-        name: {str(r["context"]): r["ratio"] for r in rows} for name, rows in measured["perplexity"].items()
-    }
-    state_off = {
-        name: next(r["state_off_ratio"] for r in rows if r["context"] == longest) for name, rows in measured["perplexity"].items()
-    }
-    decode = measured["decode"]
+    contexts = measured.get("perplexity", {}).get("value", {})
+    recall = measured.get("recall", {}).get("value", {})
+    decode = measured.get("decode", {}).get("value", {})
     eager = decode.get("eager", {})
     return {
         **export,
-        "ppl_ratio": ppl,
-        "state_off_ratio": state_off,
-        "recall_ratio": measured["recall"],
+        "ppl_ratio": {name: {str(r["context"]): r["ratio"] for r in rows} for name, rows in contexts.items()},
+        "state_off_ratio": {
+            name: next((r["state_off_ratio"] for r in rows if r["context"] == longest), None) for name, rows in contexts.items()
+        },
+        "recall_ratio": {length: cell["ratio"] for length, cell in recall.items()},
         "cache_bytes": eager.get("student_cache_bytes"),
         "teacher_cache_bytes": eager.get("teacher_cache_bytes"),
         "decode_eager": eager.get("decode_speedup"),
@@ -138,8 +140,8 @@ def markdown(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|---|---|---|" + "---:|" * (len(headers) - 3)]
     for r in sorted(rows, key=lambda r: (r["linear_layers"], r["placement"])):
         cells = [r["summary"], r["placement"], ",".join(map(str, r["softmax_layers"])) or "none"]
-        cells += [_fmt(r["ppl_ratio"][text].get(str(c)), ".3f") for text in texts for c in contexts]
-        cells += [_fmt(r["state_off_ratio"][text], ".3f") for text in texts]
+        cells += [_fmt(r["ppl_ratio"].get(text, {}).get(str(c)), ".3f") for text in texts for c in contexts]
+        cells += [_fmt(r["state_off_ratio"].get(text), ".3f") for text in texts]
         cells += [_fmt(r["recall_ratio"].get(str(n)), ".2f") for n in lengths]
         cells += [
             _fmt(None if r["cache_bytes"] is None else r["cache_bytes"] / MiB, ".1f"),
@@ -176,7 +178,7 @@ def plot(rows: list[dict[str, Any]], settings: dict[str, Any], path: Path) -> Pa
         points = []
         for r in rows:
             speed = r["decode_compiled"] or r["decode_eager"]
-            ratios = [r["ppl_ratio"][t].get(longest) for t in settings["texts"]]
+            ratios = [r["ppl_ratio"].get(t, {}).get(longest) for t in settings["texts"]]
             if r["placement"] == placement and speed and all(ratios):
                 points.append((speed, sum(ratios) / len(ratios), r["summary"]))
         points.sort()
@@ -195,20 +197,26 @@ def plot(rows: list[dict[str, Any]], settings: dict[str, Any], path: Path) -> Pa
     return path
 
 
-def frontier(folders: list[Path], output: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """Measure what is not measured yet under these settings, then write frontier.json, .md and .png."""
+def frontier(folders: list[Path], output: Path, settings: dict[str, Any], parts: tuple[str, ...] = tuple(PARTS)) -> list[dict[str, Any]]:
+    """Measure the `parts` not measured yet under these settings, then write frontier.json, .md and .png.
+
+    Each export's parts are kept in OUTPUT/rows/<name>.json as they finish, so an interrupted run, a new export
+    or a part left for later (e.g. decode timed on an idle machine) measures only what is missing.
+    """
     (output / "rows").mkdir(parents=True, exist_ok=True)
     exports = [describe_export(folder) for folder in folders]  # every folder is checked before any work
     rows = []
     for export in exports:
         kept = output / "rows" / f"{export['name']}.json"
-        measured = json.loads(kept.read_text()) if kept.is_file() else None
-        if measured is None or measured.get("settings") != settings:
-            log.info("measuring %s", export["folder"])
-            measured = {"settings": settings, **measure_export(Path(export["folder"]), settings)}
-            tmp = kept.with_name(f".{kept.name}.tmp")
-            tmp.write_text(json.dumps(measured, indent=1))
-            tmp.replace(kept)
+        measured = json.loads(kept.read_text()) if kept.is_file() else {}
+        for part in parts:
+            wanted = {key: settings[key] for key in PARTS[part]}
+            if measured.get(part, {}).get("settings") != wanted:
+                log.info("measuring %s of %s", part, export["folder"])
+                measured[part] = {"settings": wanted, "value": measure_part(part, Path(export["folder"]), settings)}
+                tmp = kept.with_name(f".{kept.name}.tmp")
+                tmp.write_text(json.dumps(measured, indent=1))
+                tmp.replace(kept)
         rows.append(frontier_row(export, measured, settings))
     (output / "frontier.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     (output / "frontier.md").write_text(markdown(rows, settings))
@@ -233,6 +241,12 @@ def frontier_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-context", type=int, default=16384, help="prompt tokens before decoding (default %(default)s)")
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps timed (default %(default)s)")
     p.add_argument("--eager-only", action="store_true", help="skip the compiled decode (each export compiles its step)")
+    p.add_argument(
+        "--parts",
+        action=ListOption,
+        default=",".join(PARTS),
+        help="what to measure now, comma-separated; kept parts are reused (default %(default)s)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     return p
 
@@ -265,7 +279,11 @@ def frontier_main(argv: list[str] | None = None) -> int:
         }
         if settings["context_tokens"] < max(settings["contexts"]):
             raise ValueError(f"--context-tokens {args.context_tokens} is below the longest context: give at least {max(settings['contexts'])}")
-        rows = frontier(folders, Path(args.output), settings)
+        parts = tuple(p for p in args.parts.split(",") if p)
+        unknown = [p for p in parts if p not in PARTS]
+        if unknown or not parts:
+            raise ValueError(f"bad --parts {args.parts!r}: use some of {', '.join(PARTS)}")
+        rows = frontier(folders, Path(args.output), settings, parts)
         Console().print((Path(args.output) / "frontier.md").read_text())
         log.info("%d rows; wrote %s", len(rows), Path(args.output) / "frontier.png")
         return 0

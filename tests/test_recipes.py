@@ -55,6 +55,8 @@ def test_short_names_resolve_to_the_embedded_model(short, tmp_path, monkeypatch)
     assert source.spec == EMBEDDED
     assert source.kind == "embedded"
     assert shipped_recipe_for(short).name == "smollm2-gla"
+    # the model itself, shared by the performer and the ratio recipes, maps to its default too
+    assert shipped_recipe_for(EMBEDDED).name == "smollm2-gla"
 
 
 def test_unknown_short_name_lists_the_accepted_forms(tmp_path, monkeypatch):
