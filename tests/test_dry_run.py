@@ -35,7 +35,8 @@ def offline(monkeypatch):
 
 
 def test_every_shipped_recipe_is_listed_here():
-    assert set(shipped_recipes()) == {*GPU_RECIPES, "smollm2-gla", "smollm2-performer"}
+    ratios = {f"smollm2-gla-{r}" for r in ("5to1", "7to1", "14to1", "1to0")}
+    assert set(shipped_recipes()) == {*GPU_RECIPES, "smollm2-gla", "smollm2-performer", *ratios}
 
 
 @pytest.mark.parametrize("name", sorted(GPU_RECIPES))

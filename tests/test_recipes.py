@@ -342,3 +342,16 @@ def test_teachers_load_with_their_own_layers(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="loaded"):
         sources.load_model(str(tmp_path))
     assert seen["use_kernels"] is False
+
+
+@pytest.mark.parametrize("name, softmax", [("smollm2-gla-5to1", 5), ("smollm2-gla-7to1", 4), ("smollm2-gla-14to1", 2), ("smollm2-gla-1to0", 0)])
+def test_ratio_recipes_are_the_default_method_at_another_ratio(name, softmax):
+    from linearize.convert.plan import parse_ratio, softmax_count
+
+    recipe, proven = shipped_recipes()[name], shipped_recipes()["smollm2-gla"]
+    assert recipe.model == proven.model and not recipe.aliases
+    assert (recipe.attention, recipe.transfer, recipe.finetune, recipe.eval) == (proven.attention, proven.transfer, proven.finetune, proven.eval)
+    ratio = recipe.layers.ratio
+    assert name.endswith(ratio.replace(":", "to")) and softmax_count(30, parse_ratio(ratio)) == softmax
+    if softmax:  # the softmax layers are where the default keeps them: the teacher's retrieval layers
+        assert recipe.layers.placement == "retrieval"
