@@ -205,7 +205,7 @@ HEAP_RETENTION = 2.0
 # blocks), the retrieval probe's attention read-out costs 60% more. On a busy machine the throughput
 # measured at planning time is lower too, but not by as much as the run slows. GPUs are not
 # calibrated: their figures stay lower bounds.
-CPU_SLOWDOWN = {"retrieval probe": 1.6, "perplexity": 1.0, "transfer": 1.0, "finetune": 2.0}
+CPU_SLOWDOWN = {"placement pass": 1.0, "retrieval probe": 1.6, "perplexity": 1.0, "transfer": 1.0, "finetune": 2.0}
 # With --low-memory on a CPU every large block is mapped afresh and unmapped when freed, page faults
 # included: the embedded conversion's training stages ran 1.9x (finetune) and 2.3x (transfer) slower
 # than on glibc's default heap; inference stages barely change.
@@ -250,7 +250,7 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     from transformers import AutoModelForCausalLM
 
     from ..modeling.configuration_linearize import LINEAR
-    from .plan import SCORED, describe, plan_layers, sliding_plan
+    from .plan import MEASURE_ROWS_TOKENS, MEASURE_TOKENS, SCORED, describe, plan_layers, sliding_plan
     from .retrieval import probe_length, probe_token_count
     from .sources import load_config, resolve
     from .swap import linearize_model, new_parameters
@@ -345,7 +345,16 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
         "teacher": 2 * body + _attention_flops(base, finetune_len, 0, 0),
     }
     heldout = recipe.eval.heldout_tokens
+    # measured and kl placement: a short transfer of every layer as linear (all new parameters trained),
+    # then kl's forward with each layer restored in turn (and both ends), its KL over the head's logits.
+    ranked = layers.placement in ("measured", "kl") and not linear
+    every_linear = 2 * body + _attention_flops(base, transfer_len, 0, 0) + _attention_flops(base, transfer_len, n_layers, window)
+    rank_tokens = min(MEASURE_TOKENS, transfer.tokens or MEASURE_TOKENS)
+    rank_flops = (2 * every_linear + 6 * new * n_layers / max(n_linear, 1)) * rank_tokens
+    if layers.placement == "kl":
+        rank_flops += (n_layers + 2) * (every_linear + 2 * 2 * head) * min(MEASURE_ROWS_TOKENS, rank_tokens)
     seconds = {
+        "placement pass": rank_flops if ranked else 0.0,
         "retrieval probe": forward["probe"] * probe_token_count(window, getattr(base, "max_position_embeddings", None))
         if scored
         else 0.0,

@@ -34,7 +34,7 @@ from .card import conversion_markdown, heldout_contexts_markdown, model_card, mo
 from .export import check_output, check_space, export
 from .measure import compare_contexts, perplexity_by_context, shared_tokens, usable_contexts
 from .parallel import sharding_requested
-from .plan import SCORED, SLIDING, describe, plan_layers, sliding_plan
+from .plan import MEASURE_ROWS_TOKENS, MEASURE_TOKENS, SCORED, SLIDING, describe, plan_layers, sliding_plan
 from .recipes import Recipe, Stage, generic_recipe, recipe_to_yaml, shipped_recipe_for
 from .retrieval import haystack_text, retrieval_scores
 from .sources import check_weights, load_config, load_model, resolve
@@ -43,8 +43,6 @@ from .train import StageResult, attention_transfer, lora_finetune, measure_kl_ga
 
 logger = logging.getLogger(__name__)
 
-MEASURE_TOKENS = 8192  # stage-1 budget of the all-linear pass that `measured` placement ranks layers with
-MEASURE_ROWS_TOKENS = 2048  # tokens its per-layer errors are measured on
 SCORE_OF = {"measured": "layer_errors", "kl": "kl_gains", "retrieval": "retrieval_scores"}  # placement: its ranking
 SCORE_KINDS = tuple(SCORE_OF.values())  # the per-layer rankings a work folder keeps
 QUALITY_LIMIT = 1.5  # student over teacher perplexity at the held-out length past which the run says it failed

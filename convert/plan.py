@@ -28,6 +28,8 @@ FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention
 RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 PLACEMENTS = ("spread", "top", "measured", "kl", "retrieval")
 SCORED = ("measured", "kl", "retrieval")  # placements that rank layers by a per-layer score the run measures
+MEASURE_TOKENS = 8192  # the short all-linear attention transfer that `measured` and `kl` rank layers after
+MEASURE_ROWS_TOKENS = 2048  # the tokens their per-layer scores are taken on
 
 
 def parse_ratio(text: str) -> tuple[int, int]:
