@@ -162,3 +162,15 @@ def test_dry_run_decides_low_memory_as_the_cli_does(tmp_path, offline, monkeypat
     assert budget.dry_run(recipe, torch.device("cpu"))["low_memory"] is True
     monkeypatch.setattr(budget, "needs_low_memory", lambda weights: False)
     assert budget.dry_run(recipe, torch.device("cpu"))["low_memory"] is False
+
+
+def test_ranked_placements_estimate_their_placement_pass(tmp_path, offline):
+    """measured and kl train every layer as linear first, and kl then runs one forward per layer: both are timed."""
+    _tied_llama(tmp_path)
+    seconds = {}
+    for placement in ("spread", "retrieval", "measured", "kl"):
+        recipe = _recipe(str(tmp_path), transfer=4096, finetune=4096)
+        recipe.layers.placement = placement
+        seconds[placement] = budget.dry_run(recipe, torch.device("cpu"), low_memory=False)["seconds"]["placement pass"]
+    assert seconds["spread"] == seconds["retrieval"] == 0
+    assert 0 < seconds["measured"] < seconds["kl"]
