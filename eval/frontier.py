@@ -67,6 +67,10 @@ PARTS = {  # what each part of a row measures, and the settings it depends on
 }
 
 
+def _part_settings(part: str, settings: dict[str, Any]) -> dict[str, Any]:
+    return {key: settings[key] for key in PARTS[part]}
+
+
 def measure_part(part: str, folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """One part of an export's row against its recorded teacher (see the module docstring)."""
     from .bench import run_bench
@@ -210,14 +214,16 @@ def frontier(folders: list[Path], output: Path, settings: dict[str, Any], parts:
         kept = output / "rows" / f"{export['name']}.json"
         measured = json.loads(kept.read_text()) if kept.is_file() else {}
         for part in parts:
-            wanted = {key: settings[key] for key in PARTS[part]}
+            wanted = _part_settings(part, settings)
             if measured.get(part, {}).get("settings") != wanted:
                 log.info("measuring %s of %s", part, export["folder"])
                 measured[part] = {"settings": wanted, "value": measure_part(part, Path(export["folder"]), settings)}
                 tmp = kept.with_name(f".{kept.name}.tmp")
                 tmp.write_text(json.dumps(measured, indent=1))
                 tmp.replace(kept)
-        rows.append(frontier_row(export, measured, settings))
+        # a kept part measured under other settings than these is left out of the table, not mislabelled
+        current = {part: kept_part for part, kept_part in measured.items() if kept_part.get("settings") == _part_settings(part, settings)}
+        rows.append(frontier_row(export, current, settings))
     (output / "frontier.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     (output / "frontier.md").write_text(markdown(rows, settings))
     plot(rows, settings, output / "frontier.png")

@@ -73,6 +73,9 @@ def test_frontier_keeps_parts_and_writes_the_table_and_plot(export, tmp_path, mo
     assert json.loads((tmp_path / "frontier.json").read_text())["rows"][0]["decode_compiled"] == 2.5
     fr.frontier([export], tmp_path, {**SETTINGS, "recall_samples": 2})  # other recall settings: only recall again
     assert calls == ["perplexity", "recall", "decode", "recall"]
+    # a table made without measuring leaves out a kept part measured under other settings
+    (row,) = fr.frontier([export], tmp_path, {**SETTINGS, "recall_samples": 2, "decode_tokens": 8}, parts=("perplexity",))
+    assert calls[-1] == "recall" and row["decode_compiled"] is None and row["recall_ratio"]["2048"] == 0.75
 
 
 def test_frontier_refuses_bad_arguments_before_measuring(linearize_main, export, tmp_path):
