@@ -135,7 +135,7 @@ def markdown(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     texts, contexts, lengths = settings["texts"], settings["contexts"], settings["recall_lengths"]
     longest = max(contexts)
     k = {n: f"{n // 1024}K" if n >= 1024 else str(n) for n in [*contexts, *lengths, settings["decode_context"]]}
-    headers = ["ratio (L:S)", "placement", "softmax layers"]
+    headers = ["layers L:S", "placement", "softmax layers"]
     headers += [f"ppl S/T {text} {k[c]}" for text in texts for c in contexts]
     headers += [f"state off S/T {text} {k[longest]}" for text in texts]
     headers += [f"recall S/T {k[n]}" for n in lengths]
@@ -185,6 +185,8 @@ def plot(rows: list[dict[str, Any]], settings: dict[str, Any], path: Path) -> Pa
             ratios = [r["ppl_ratio"].get(t, {}).get(longest) for t in settings["texts"]]
             if r["placement"] == placement and speed and all(ratios):
                 points.append((speed, sum(ratios) / len(ratios), r["summary"]))
+        if not points:
+            continue
         points.sort()
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=f"C{i}", label=placement)
         for x, y, label in points:
@@ -192,7 +194,7 @@ def plot(rows: list[dict[str, Any]], settings: dict[str, Any], path: Path) -> Pa
     ax.plot([1.0], [1.0], marker="*", color="k", ms=12, ls="none", label="teacher")
     ax.set_xlabel(f"decode speed over the teacher at {settings['decode_context']:,} tokens, batch 1")
     ax.set_ylabel(f"perplexity over the teacher at {int(longest):,} tokens")
-    ax.set_title("ratio frontier (L:S layers)")
+    ax.set_title("ratio frontier (linear:softmax layers)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -66,7 +66,7 @@ def test_frontier_keeps_parts_and_writes_the_table_and_plot(export, tmp_path, mo
     assert calls == ["perplexity", "recall", "decode"]
     assert row["ppl_ratio"]["pydoc"]["64"] == pytest.approx(1.031) and row["state_off_ratio"]["britannica"] == pytest.approx(1.062)
     md = (tmp_path / "frontier.md").read_text()
-    assert "| ratio (L:S) | placement | softmax layers | ppl S/T pydoc 16 | ppl S/T pydoc 64 |" in md
+    assert "| layers L:S | placement | softmax layers | ppl S/T pydoc 16 | ppl S/T pydoc 64 |" in md
     assert "| 3:1 | spread | 3 | 1.000 | 1.031 | 1.000 | 1.031 | 1.062 | 1.062 | 1.00 | 0.75 | 3.0 | 1.50 | 2.50 | 0 + 0 |" in md
     assert "the teacher's cache there is 12.0 MiB" in md and "needles at 0%, 50% depth" in md
     assert (tmp_path / "frontier.png").stat().st_size > 0
