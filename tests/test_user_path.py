@@ -324,3 +324,10 @@ def test_ppl_state_off_control_adds_its_columns(tiny_export, tmp_path):
     assert "| state off ppl | state off / teacher | state carries |" in block
     carries = 100 * (rows[1]["state_off"] / rows[1]["student"] - 1)
     assert f"| {rows[1]['state_off']:.2f} | - | {carries:+.1f}% |" in block
+
+
+def test_ppl_state_off_control_is_refused_before_loading(linearize_main, tiny_llama_dir):
+    """A model with no linear layers is refused from its config, in one line, before anything loads."""
+    code, _, err = linearize_main("ppl", str(tiny_llama_dir), "--control", "state-off")
+    assert code == 2 and "--control state-off needs a converted model with linear layers: this one has none" in err
+    assert len(err.strip().splitlines()) == 1
