@@ -86,6 +86,9 @@ def convert_parser() -> argparse.ArgumentParser:
         help="on: feature maps see RoPE'd q/k; off: q/k before RoPE, a position-free state that holds up at length",
     )
     att.add_argument("--sink", type=int, help="first tokens that always stay in the softmax window (attention sinks)")
+    att.add_argument(
+        "--window-logit", type=float, help="each head's starting mix toward the window (2.0: 0.88 on the window; 0: even)"
+    )
     tr = p.add_argument_group("training")
     tr.add_argument("--transfer-tokens", type=int, help="stage 1 (attention transfer) token budget; 0 skips it")
     tr.add_argument("--finetune-tokens", type=int, help="stage 2 (LoRA) token budget; 0 skips it")
@@ -179,6 +182,7 @@ def recipe_from_args(args: argparse.Namespace):
         "attention.conv_size": args.conv_size,
         "attention.window": args.window,
         "attention.sink": args.sink,
+        "attention.window_logit": args.window_logit,
         "attention.rope_features": None if args.rope_features is None else args.rope_features == "on",
         "transfer.tokens": args.transfer_tokens,
         "transfer.lr": args.transfer_lr,

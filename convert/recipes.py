@@ -56,6 +56,7 @@ class Attention:
     normalize: bool = True
     window: int = 0
     sink: int = 0
+    window_logit: float = 2.0
     chunk_size: int = 64
     conv_size: int = 0
     rope_features: bool = True

@@ -14,6 +14,8 @@ defaults and derived values are the family's), plus:
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -39,6 +41,9 @@ LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     "normalize": True,
     "window": 0,  # >0: softmax over the last `window` tokens mixed into every linear layer
     "sink": 0,  # with a window: the first `sink` tokens also stay in the softmax part (attention sinks)
+    # With a window: each head's mix starts at this logit toward the softmax side. 2.0 gives the window
+    # sigmoid(2) = 0.88 of the weight, close to sliding-window-plus-sinks attention; 0 splits it evenly.
+    "window_logit": 2.0,
     "chunk_size": 64,
     "conv_size": 0,  # deltanet: >1 adds a short causal convolution over q/k/v features (identity at start)
     # True: feature maps see RoPE'd q/k, as the teacher's softmax does. False: q/k before RoPE, so the
@@ -173,6 +178,9 @@ def validate_linear_attention(settings: dict[str, Any]) -> None:
     decay = settings["decay_init"]
     if not (isinstance(decay, (list, tuple)) and len(decay) == 2 and all(0 < float(d) < 1 for d in decay)):
         raise ValueError(f"linear_attention.decay_init={decay!r}: use two decays in (0, 1), e.g. [0.995, 0.9998]")
+    logit = settings["window_logit"]
+    if isinstance(logit, bool) or not isinstance(logit, (int, float)) or not math.isfinite(logit):
+        raise ValueError(f"linear_attention.window_logit={logit!r}: use a finite number (2.0 = 0.88 on the window)")
     sink = settings["sink"]
     if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
         raise ValueError(f"linear_attention.sink={sink!r}: use a non-negative integer (0 = no sinks)")

@@ -65,9 +65,6 @@ from .families import Family, family_of  # noqa: E402
 Derived = TypeVar("Derived")
 SDPA_GROUPS = is_torch_greater_or_equal("2.5")  # SDPA's enable_gqa: query groups share their KV head uncopied
 RECURRENT_MAX_TOKENS = 16  # at most this many new tokens with a state: step the recurrence instead of chunking
-# The window/linear mix starts at sigmoid(2) = 0.88 on the softmax side: a converted layer begins close
-# to sliding-window-plus-sink attention, which alone keeps most of the teacher's quality, and learns the rest.
-WINDOW_FACTOR_INIT = 2.0
 # The normalized delta rule's erase strength b_t starts here: near 0 the layer is GLA; at 0.05 the
 # untrained embedded student already scores 7.69 held-out against GLA's 8.00 (positive unit keys
 # overlap, so each erase also fades much of the state). Where the write divides by b_t, ERASE_FLOOR
@@ -650,7 +647,8 @@ class LinearAttention(nn.Module):
         if self.conv_size:
             self.conv = ShortConv((self.n_heads + 2 * self.n_kv_heads) * D, self.conv_size)
         if self.window and self.map_name != "performer":
-            self.window_factor = nn.Parameter(torch.full((self.n_heads,), WINDOW_FACTOR_INIT))
+            self.window_logit = float(settings["window_logit"])
+            self.window_factor = nn.Parameter(torch.full((self.n_heads,), self.window_logit))
 
     @torch.no_grad()
     def materialize_linear_parts(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -667,7 +665,7 @@ class LinearAttention(nn.Module):
         for part in parts:
             part.reset_parameters()  # every new part resets its own children (the gates' linears included)
         if hasattr(self, "window_factor"):
-            init.constant_(self.window_factor, WINDOW_FACTOR_INIT)
+            init.constant_(self.window_factor, self.window_logit)
 
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D], k and v [B, Hkv, T, D] as the teacher computes them, q/k norms included, before RoPE."""
@@ -1686,7 +1684,7 @@ class LinearizePreTrainedModel(PreTrainedModel):
         if isinstance(module, (HedgehogFeatureMap, TaylorFeatureMap, LowRankGate, WriteStrength, ShortConv)):
             module.reset_parameters()
         elif isinstance(module, LinearAttention) and hasattr(module, "window_factor"):
-            init.constant_(module.window_factor, WINDOW_FACTOR_INIT)
+            init.constant_(module.window_factor, module.window_logit)
 
     def _hybrid_cache(self, cache: Cache | None, use_cache: bool | None) -> Cache | None:
         """The cache a forward runs with: a new `DynamicCache` of this config's layer types when one is asked

@@ -86,7 +86,6 @@ def test_accelerate_launch_two_cpu_processes(ddp_run):
 def test_fsdp_on_two_cpu_processes_shards_the_weights_and_trains_as_ddp_does(ddp_run, tiny_llama_dir, cli_env):
     from safetensors.torch import load_file
 
-    from linearize.modeling.modeling_linearize import WINDOW_FACTOR_INIT
 
     cwd, ddp = ddp_run
     assert ddp.returncode == 0, ddp.stderr[-4000:]
@@ -107,7 +106,7 @@ def test_fsdp_on_two_cpu_processes_shards_the_weights_and_trains_as_ddp_does(ddp
         torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6)
     teacher = load_file(tiny_llama_dir / "model.safetensors")
     assert not torch.allclose(exported["model.layers.0.self_attn.q_proj.weight"], teacher["model.layers.0.self_attn.q_proj.weight"])
-    assert not torch.allclose(exported["model.layers.0.self_attn.window_factor"], torch.tensor(WINDOW_FACTOR_INIT))
+    assert not torch.allclose(exported["model.layers.0.self_attn.window_factor"], torch.tensor(2.0))  # window_logit's default
 
     from transformers import AutoModelForCausalLM
 
