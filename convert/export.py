@@ -34,6 +34,7 @@ REMOTE_CODE = [
     ("kernels", "gla_torch.py"),
     ("kernels", "delta_torch.py"),
     ("kernels", "feature_maps.py"),
+    ("kernels", "window_torch.py"),
     ("kernels", "gla_triton.py"),
     ("kernels", "delta_triton.py"),
     ("kernels", "feature_maps_triton.py"),

@@ -310,7 +310,7 @@ def test_linear_layer_matches_dense_math(case, form):
 
 
 def test_window_blocks_follow_the_window():
-    from linearize.modeling.modeling_linearize import window_block
+    from linearize.kernels.window_torch import window_block
 
     assert [window_block(w) for w in (512, 64, 96, 100, 8, 4, 97, 34)] == [64, 64, 48, 50, 8, 4, 97, 34]
 
@@ -319,10 +319,10 @@ def test_window_blocks_follow_the_window():
 def test_window_blocks_smaller_than_the_window_give_the_same_layer(settings, monkeypatch):
     """Queries in blocks of 4 against a 12-token window (3 key blocks back), scored 8 queries at a time (and
     recomputed so in backward): the dense math, and the forms agree on outputs and gradients."""
-    from linearize.modeling import modeling_linearize
+    from linearize.kernels import window_torch
 
-    monkeypatch.setattr(modeling_linearize, "window_block", lambda window: 4)
-    monkeypatch.setattr(modeling_linearize, "WINDOW_GROUP_TOKENS", 8)
+    monkeypatch.setattr(window_torch, "window_block", lambda window: 4)
+    monkeypatch.setattr(window_torch, "WINDOW_GROUP_TOKENS", 8)
     check_dense_math([LIN], {"gate": "lowrank", **settings}, "chunk")
     model = make_model([LIN, FULL, LIN], {"gate": "lowrank", **settings, "chunk_size": 16}, seed=3)
     ids, mask = left_padded([random_ids(37, seed=1), random_ids(9, seed=2), random_ids(20, seed=3)])
