@@ -307,7 +307,7 @@ def convert_main(argv: list[str]) -> int:
         else:
             console.print(f"[bold]recipe[/bold] {recipe.name} (--verbose prints it; the export keeps it as recipe.yaml)")
     if args.dry_run:
-        from .budget import dry_run
+        from .dry_run import dry_run
 
         if main:
             _render_dry_run(dry_run(recipe, accelerator.device, low_memory=args.low_memory or None), console)

@@ -32,11 +32,7 @@ from accelerate import Accelerator
 from accelerate.utils import parse_flag_from_env
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
-
-
-def linear_layers(model: torch.nn.Module) -> list[LinearAttention]:
-    return [m for m in model.modules() if isinstance(m, LinearAttention)]
+from ..modeling.modeling_linearize import LinearizeForCausalLM, linear_attentions
 
 
 def sharding_requested(asked: bool | None) -> bool:
@@ -139,7 +135,7 @@ def data_parallel(
     else:
         model, restore = accelerator.prepare(module), None
     parallel = Parallel(model, params, sharded, accelerator, local_losses)
-    hooks = [layer.register_forward_hook(parallel.backward_here) for layer in linear_layers(model)] if local_losses else []
+    hooks = [layer.register_forward_hook(parallel.backward_here) for layer in linear_attentions(model)] if local_losses else []
     yield parallel
     for hook in hooks:
         hook.remove()

@@ -26,7 +26,6 @@ from accelerate import Accelerator
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..modeling.configuration_linearize import LINEAR
-from ..modeling.families import text_config
 from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
 from .budget import body_parameter_count, parameter_count, peak_rss_bytes, weight_bytes
@@ -322,7 +321,7 @@ def check_inputs(
     else:
         config = teacher.config
     check_supported(config)
-    n_layers = text_config(config).num_hidden_layers
+    n_layers = config.get_text_config().num_hidden_layers
     layers = recipe.layers
     placement = "spread" if layers.placement in SCORED else layers.placement  # the scores come later
     plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax, None, *sliding_plan(config, layers))
@@ -388,7 +387,7 @@ def select_layers(
     beyond the window.
     A recipe's kept plan serves its own model without scoring.
     """
-    n_layers = text_config(teacher.config).num_hidden_layers
+    n_layers = teacher.config.get_text_config().num_hidden_layers
     settings = recipe.linear_attention()
     layers = recipe.layers
     saved = {} if work is None else work.get("layer_scores") or {}

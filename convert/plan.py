@@ -17,12 +17,11 @@ or `--linear-layers` names them.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI's --help reads PLACEMENTS here: no torch or transformers at import
     from transformers import PretrainedConfig
-
-    from .recipes import LayerPlan
 
 FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
 RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
@@ -30,6 +29,21 @@ PLACEMENTS = ("spread", "top", "measured", "kl", "retrieval")
 SCORED = ("measured", "kl", "retrieval")  # placements that rank layers by a per-layer score the run measures
 MEASURE_TOKENS = 8192  # the short all-linear attention transfer that `measured` and `kl` rank layers after
 MEASURE_ROWS_TOKENS = 2048  # the tokens their per-layer scores are taken on
+
+
+@dataclass
+class LayerPlan:
+    ratio: str | None = "3:1"  # linear:softmax
+    placement: str = "spread"  # spread | top | measured | kl | retrieval
+    linear_layers: list[int] | None = None  # explicit indices override ratio/placement
+    keep_softmax: list[int] = field(default_factory=list)  # layers that never become linear
+    # keep: a ratio counts the global layers and leaves sliding-window layers softmax (their cache is
+    # bounded already); convert: a ratio counts every layer
+    sliding: str = "keep"
+    # The linear layers a scored placement (measured, kl, retrieval) chose for the recipe's own model,
+    # reused for it instead of measuring again (the transfer ranking is short and noisy); ignored for
+    # any other model.
+    measured: list[int] | None = None
 
 
 def parse_ratio(text: str) -> tuple[int, int]:

@@ -22,27 +22,12 @@ import yaml
 from ..modeling.configuration_linearize import LINEAR_ATTENTION_DEFAULTS, validate_linear_attention
 from ..options import dtype_name
 from .data import is_offline
-from .plan import PLACEMENTS, parse_ratio
+from .plan import PLACEMENTS, LayerPlan, parse_ratio
 
 
 def auto_dtype(device: torch.device | str) -> torch.dtype:
     """What `auto` means everywhere: bf16 on a GPU (half fp32's memory), fp32 on a CPU (faster there than bf16)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-
-@dataclass
-class LayerPlan:
-    ratio: str | None = "3:1"  # linear:softmax
-    placement: str = "spread"  # spread | top | measured | kl | retrieval
-    linear_layers: list[int] | None = None  # explicit indices override ratio/placement
-    keep_softmax: list[int] = field(default_factory=list)  # layers that never become linear
-    # keep: a ratio counts the global layers and leaves sliding-window layers softmax (their cache is
-    # bounded already); convert: a ratio counts every layer
-    sliding: str = "keep"
-    # The linear layers a scored placement (measured, kl, retrieval) chose for the recipe's own model,
-    # reused for it instead of measuring again (the transfer ranking is short and noisy); ignored for
-    # any other model.
-    measured: list[int] | None = None
 
 
 @dataclass

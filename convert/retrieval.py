@@ -19,12 +19,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..modeling.families import text_config
-from ..modeling.modeling_linearize import LinearAttention
+from ..modeling.modeling_linearize import LinearAttention, linear_attentions
+from ..modeling.modes import teacher_attention
 from . import needles
 from .plan import LINEAR
 from .swap import linearize_model
-from .train import linear_layers, teacher_attention
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +110,7 @@ def attention_on_facts(
     The weights are recomputed from each layer's own q and k (the family's projections and RoPE), for
     the few answer positions only, so no [T, T] attention map of the teacher is ever materialized.
     """
-    n_layers = text_config(teacher.config).num_hidden_layers
+    n_layers = teacher.config.get_text_config().num_hidden_layers
     device = next(teacher.parameters()).device
     # The unused linear parts' random init must not move the run's RNG: a kept plan then trains the same student.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -131,7 +130,7 @@ def attention_on_facts(
         weights = logits.masked_fill(later, float("-inf")).softmax(-1)
         scores[module.layer_idx] += weights[..., probe["fact"]].sum(-1).mean(-1).sum().item()
 
-    hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in linear_layers(every)]
+    hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in linear_attentions(every)]
     try:
         with teacher_attention(every), torch.no_grad():
             for ids, fact, queries in tqdm(documents, desc="retrieval probe", unit="doc", leave=False):
@@ -152,7 +151,7 @@ def retrieval_scores(
     Empty when the model's context is too short to place a fact beyond the window.
     """
     window = linear_attention.get("window") or 0
-    length = probe_length(window, getattr(text_config(teacher.config), "max_position_embeddings", None))
+    length = probe_length(window, getattr(teacher.config.get_text_config(), "max_position_embeddings", None))
     documents = probe_documents(tokenizer, length, window, haystack, seed)
     if not documents:
         logger.warning(

@@ -15,7 +15,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..modeling.configuration_linearize import LINEAR, LinearizeConfig
-from ..modeling.families import family_of, text_config
+from ..modeling.families import family_of
 from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
 
 # Teacher weights that belong to a multimodal wrapper, not to its text decoder: prefix -> the decoder's.
@@ -26,7 +26,7 @@ def check_supported(config: PretrainedConfig) -> None:
     """Raise, naming what is unsupported and the supported families, when the teacher cannot be converted."""
     if config.model_type == "linearize":
         return
-    family_of(text_config(config))
+    family_of(config.get_text_config())
 
 
 def student_config(
@@ -43,7 +43,7 @@ def student_config(
         fields.update(layer_types=_with_base_types(layer_types, teacher.base_layer_types))
         fields["linear_attention"] = linear_attention
         return LinearizeConfig(**fields)
-    base = text_config(teacher)
+    base = teacher.get_text_config()
     base_types = list(base.layer_types) if getattr(base, "layer_types", None) else None
     return LinearizeConfig(
         base_model_type=base.model_type,
@@ -76,7 +76,7 @@ def linearize_model(
     the adapted projections first), so the teacher stays as it was.
     """
     config = student_config(teacher.config, layer_types, linear_attention or {}, teacher_name)
-    config._attn_implementation_internal = text_config(teacher.config)._attn_implementation or "sdpa"
+    config._attn_implementation_internal = teacher.config.get_text_config()._attn_implementation or "sdpa"
     first = next(teacher.parameters())
     with torch.device("meta"):
         student = LinearizeForCausalLM(config)

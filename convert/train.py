@@ -39,9 +39,10 @@ from tqdm.auto import tqdm
 
 from ..modeling.families import family_of
 from .budget import finetune_memory_plan, transfer_memory_plan, weight_bytes
-from .parallel import data_parallel, full, like, linear_layers
+from .parallel import data_parallel, full, like
 from .measure import final_hidden_states, head_logits
-from ..modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
+from ..modeling.modeling_linearize import LinearizeForCausalLM, linear_attentions
+from ..modeling.modes import teacher_attention, transfer_mode
 from .recipes import Stage
 from .swap import new_parameters
 
@@ -409,22 +410,6 @@ def run_loop(
     return result
 
 
-@contextmanager
-def transfer_mode(model: torch.nn.Module, late_weight: float = 0.0) -> Iterator[list[LinearAttention]]:
-    """Linear layers compute, record and pass on the teacher's softmax output while inside.
-
-    `late_weight` tilts each layer's MSE toward late positions (`LinearAttention.transfer_late_weight`).
-    """
-    layers = linear_layers(model)
-    for layer in layers:
-        layer.transfer, layer.transfer_late_weight = True, late_weight
-    try:
-        yield layers
-    finally:
-        for layer in layers:
-            layer.transfer, layer.transfer_loss, layer.transfer_late_weight = False, None, 0.0
-
-
 def attention_transfer(
     student: LinearizeForCausalLM,
     data: torch.Tensor,
@@ -449,7 +434,7 @@ def attention_transfer(
 
         def step_loss(backbone: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
             backbone(input_ids=batch, use_cache=False)
-            layers = linear_layers(backbone)
+            layers = linear_attentions(backbone)
             losses = [layer.transfer_loss for layer in layers]
             for layer, loss in zip(layers, losses):
                 layer_sums.setdefault(layer.layer_idx, []).append(loss.item())
@@ -497,7 +482,7 @@ def measure_kl_gains(student: LinearizeForCausalLM, data: torch.Tensor, batch_si
     The teacher is the same model with every layer restored, so one set of weights serves all 1 + N
     configurations; each row's KL is the mean over its positions, as stage 2 trains it.
     """
-    layers = linear_layers(student)
+    layers = linear_attentions(student)
     gains = {layer.layer_idx: 0.0 for layer in layers}
     batches = range(0, data.shape[0], batch_size)
     was_training = student.training
@@ -518,22 +503,6 @@ def measure_kl_gains(student: LinearizeForCausalLM, data: torch.Tensor, batch_si
     finally:
         student.train(was_training)
     return {i: gain / len(batches) for i, gain in gains.items()}
-
-
-@contextmanager
-def teacher_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Linear layers run the teacher's softmax forward while inside: with LoRA disabled, the student is its teacher.
-
-    One set of frozen weights thus serves both models (stage 2's KL target, the teacher's perplexity).
-    """
-    layers = linear_layers(model)
-    for layer in layers:
-        layer.teacher_attention = True
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.teacher_attention = False
 
 
 def _chunk_loss(
@@ -591,7 +560,7 @@ def lora_finetune(
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer
 
-    indices = [layer.layer_idx for layer in linear_layers(student)]
+    indices = [layer.layer_idx for layer in linear_attentions(student)]
     if stage.lora_layers == "all":  # the softmax layers too: they can take over what the linear ones lose at length
         indices = list(range(student.config.num_hidden_layers))
     family = family_of(student.base_model.config)
@@ -603,7 +572,7 @@ def lora_finetune(
         p.requires_grad_(False)
     peft_model = get_peft_model(student, config)
     params = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
-    linear = linear_layers(student)
+    linear = linear_attentions(student)
     checkpointing, per_pass, _ = finetune_memory_plan(student, stage, weight_bytes(student))
     if checkpointing:
         student.activation_checkpointing_enable({"use_reentrant": False})

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 
 from ..convert.card import CONTEXT_COLUMNS, STATE_OFF_COLUMNS, context_cells, context_markdown
 from ..convert.measure import compare_contexts, perplexity_by_context
+from ..modeling.modes import state_off, state_off_layers
 from . import CONTROLS
 
 log = logging.getLogger(__name__)
@@ -82,41 +82,6 @@ def load_text(
 
 
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
-
-
-def state_off_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
-    """The linear layers `state_off` switches, or a one-line error when the control cannot apply."""
-    layers = getattr(model, "linear_attentions", None)
-    if not layers:
-        raise ValueError("--control state-off needs a converted model with linear layers: this one has none")
-    mixless = sorted({layer.kind for layer in layers if not hasattr(layer, "window_factor")})
-    if mixless:
-        raise ValueError(
-            f"--control state-off switches off the state of layers that mix it with a softmax window, and this model's "
-            f"{', '.join(mixless)} layers have no such mix: use it on a GLA or deltanet export with a window"
-        )
-    return layers
-
-
-@contextmanager
-def state_off(model: torch.nn.Module) -> Iterator[None]:
-    """Every linear layer attends with its window and sinks only, while inside: what the linear state carries.
-
-    A layer mixes the state's terms and the window's (sinks included) by sigmoid(window factor) per head;
-    an infinite factor gives the window weight exactly 1 and the state 0 (the delta rule's added form
-    weighs its state by sigmoid(-factor) = 0), on every path, decoding included.
-    """
-    layers = state_off_layers(model)
-    saved = [layer.window_factor.detach().clone() for layer in layers]
-    with torch.no_grad():
-        for layer in layers:
-            layer.window_factor.fill_(float("inf"))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for layer, factor in zip(layers, saved):
-                layer.window_factor.copy_(factor)
 
 
 def render_context_table(rows: list[dict[str, Any]], title: str) -> Any:

@@ -50,16 +50,9 @@ KNOWN_UNSUPPORTED = {
 }
 
 
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The decoder's config: a multimodal wrapper's text part (Gemma 3), or the config itself."""
-    if config.model_type == "gemma3":
-        return config.text_config
-    return config
-
-
 def sliding_layers(config: PretrainedConfig) -> list[int]:
     """Indices of the decoder's sliding-window softmax layers, as its `layer_types` marks them."""
-    return [i for i, kind in enumerate(getattr(text_config(config), "layer_types", None) or []) if kind == "sliding_attention"]
+    return [i for i, kind in enumerate(getattr(config.get_text_config(), "layer_types", None) or []) if kind == "sliding_attention"]
 
 
 def family_of(config: PretrainedConfig) -> Family:

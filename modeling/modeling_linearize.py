@@ -57,7 +57,7 @@ from ..kernels.feature_maps import (  # noqa: E402
     performer_logits,
     taylor,
 )
-from ..kernels.gla_torch import MIN_LOG_DECAY, as_dtype, step_bmm  # noqa: E402
+from ..kernels.gla_torch import MIN_LOG_DECAY, as_dtype  # noqa: E402
 from ..kernels.ops import NORMALIZER_EPS, gated_delta_rule, gated_linear_attention, normalize_output, with_normalizer  # noqa: E402
 from ..kernels.window_torch import (  # noqa: E402
     shift_into_state,
@@ -1017,6 +1017,11 @@ class LinearAttention(nn.Module):
 _LINEAR_CLASSES: dict[type, type] = {}
 
 
+def linear_attentions(module: nn.Module) -> tuple[LinearAttention, ...]:
+    """Every linear layer inside `module` in order: a converted model, its backbone, or any wrapper of them."""
+    return tuple(m for m in module.modules() if isinstance(m, LinearAttention))
+
+
 def linear_attention_class(base: type[nn.Module]) -> type[LinearAttention]:
     """`LinearAttention` over the family's attention class (one class per family, made once)."""
     if issubclass(base, LinearAttention):
@@ -1465,7 +1470,7 @@ class LinearizePreTrainedModel(PreTrainedModel):
                 LinearAttention.convert(attention, config, index, family)
             else:
                 attention.config = SoftmaxAttentionConfig(attention.config)
-        self.linear_attentions = tuple(m for m in self.modules() if isinstance(m, LinearAttention))  # not registered twice
+        self.linear_attentions = linear_attentions(self)  # a tuple, so not registered as submodules twice
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, config: LinearizeConfig | None = None, **kwargs):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from linearize.convert import budget
+from linearize.convert import dry_run
 from linearize.convert.recipes import parse_recipe, shipped_recipes
 
 # Each GPU recipe's checkpoint, from its public config.json: (hub id, parameters in billions, layers, family).
@@ -31,7 +31,7 @@ def offline(monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: patch the constant
-    monkeypatch.setattr(budget, "matmul_flops", lambda device, dtype, seconds=0.3: 1e11)
+    monkeypatch.setattr(dry_run, "matmul_flops", lambda device, dtype, seconds=0.3: 1e11)
 
 
 def test_every_shipped_recipe_is_listed_here():
@@ -62,7 +62,7 @@ def test_each_gpu_recipe_carries_the_proven_method_with_lolcats_budgets(name):
 @pytest.mark.parametrize("name", sorted(shipped_recipes()))
 def test_dry_run_of_every_shipped_recipe_is_sane(name, offline):
     recipe = shipped_recipes()[name]
-    plan = budget.dry_run(recipe, torch.device("cpu"), low_memory=True)
+    plan = dry_run.dry_run(recipe, torch.device("cpu"), low_memory=True)
     layers = len(plan["layer_types"])
     if name in GPU_RECIPES:
         _, billions, expected_layers, family = GPU_RECIPES[name]
@@ -75,7 +75,7 @@ def test_dry_run_of_every_shipped_recipe_is_sane(name, offline):
     assert plan["weight_bytes"] == plan["parameters"] * 4  # fp32 on a CPU (auto dtype)
     assert 0 <= plan["new_parameters"] < 0.02 * plan["parameters"]  # Performer's random features train nothing
     assert 0 < plan["lora_parameters"] < 0.02 * plan["parameters"]
-    assert plan["peak_bytes"] > plan["weight_bytes"] + budget.RUNTIME_BYTES
+    assert plan["peak_bytes"] > plan["weight_bytes"] + dry_run.RUNTIME_BYTES
     assert plan["peak_bytes"] == max(plan["memory"].values())
     trains = {"transfer": recipe.transfer.tokens > 0 and plan["new_parameters"] > 0, "finetune": recipe.finetune.tokens > 0}
     for stage, runs in trains.items():
@@ -125,7 +125,7 @@ def test_a_tied_head_is_counted_once_and_every_time_is_positive(tmp_path, offlin
     params = _tied_llama(tmp_path)
     embedding = 4096 * 64
     assert params < 2 * embedding  # subtracting the head as well as the embedding left a negative body
-    plan = budget.dry_run(_recipe(str(tmp_path), transfer=4096, finetune=4096), torch.device("cpu"), low_memory=True)
+    plan = dry_run.dry_run(_recipe(str(tmp_path), transfer=4096, finetune=4096), torch.device("cpu"), low_memory=True)
     assert plan["parameters"] == params
     assert plan["weight_bytes"] == 4 * params
     assert all(seconds > 0 for seconds in plan["seconds"].values() if seconds)
@@ -137,31 +137,31 @@ def test_the_heap_and_the_device_change_the_peak_as_measured(tmp_path, offline):
     both on top of the runtime. GPU: allocated bytes in bf16, no runtime."""
     params = _tied_llama(tmp_path)
     recipe = _recipe(str(tmp_path), transfer=4096, finetune=4096)
-    low = budget.dry_run(recipe, torch.device("cpu"), low_memory=True)
-    fast = budget.dry_run(recipe, torch.device("cpu"), low_memory=False)
+    low = dry_run.dry_run(recipe, torch.device("cpu"), low_memory=True)
+    fast = dry_run.dry_run(recipe, torch.device("cpu"), low_memory=False)
     weights = 4 * params
-    stages = {k: v - budget.RUNTIME_BYTES - weights for k, v in low["memory"].items()}
-    assert low["peak_bytes"] == budget.RUNTIME_BYTES + weights + max(stages.values())
+    stages = {k: v - dry_run.RUNTIME_BYTES - weights for k, v in low["memory"].items()}
+    assert low["peak_bytes"] == dry_run.RUNTIME_BYTES + weights + max(stages.values())
     assert stages["export"] == weights  # the serialized copy
-    retained = sum(stages.get(name, 0) for name in budget.HEAP_RETAINED_STAGES)
-    kept = int(budget.HEAP_RETENTION * retained)
-    assert fast["memory"]["finetune"] == budget.RUNTIME_BYTES + weights + kept
-    assert fast["memory"]["export"] == budget.RUNTIME_BYTES + weights + max(kept, weights)  # in the heap's free blocks
-    assert low["memory"]["export"] == budget.RUNTIME_BYTES + 2 * weights
+    retained = sum(stages.get(name, 0) for name in dry_run.HEAP_RETAINED_STAGES)
+    kept = int(dry_run.HEAP_RETENTION * retained)
+    assert fast["memory"]["finetune"] == dry_run.RUNTIME_BYTES + weights + kept
+    assert fast["memory"]["export"] == dry_run.RUNTIME_BYTES + weights + max(kept, weights)  # in the heap's free blocks
+    assert low["memory"]["export"] == dry_run.RUNTIME_BYTES + 2 * weights
     assert fast["peak_bytes"] == max(fast["memory"].values()) >= low["peak_bytes"]
-    gpu = budget.dry_run(recipe, torch.device("cuda"), low_memory=False)
+    gpu = dry_run.dry_run(recipe, torch.device("cuda"), low_memory=False)
     assert gpu["weight_bytes"] == 2 * params  # bf16
-    assert gpu["peak_bytes"] < low["peak_bytes"] - budget.RUNTIME_BYTES
+    assert gpu["peak_bytes"] < low["peak_bytes"] - dry_run.RUNTIME_BYTES
     assert "allocated" in dict(gpu["rows"]).get("estimated memory, finetune", "")
 
 
 def test_dry_run_decides_low_memory_as_the_cli_does(tmp_path, offline, monkeypatch):
     _tied_llama(tmp_path)
     recipe = _recipe(str(tmp_path), transfer=4096, finetune=4096)
-    monkeypatch.setattr(budget, "needs_low_memory", lambda weights: True)
-    assert budget.dry_run(recipe, torch.device("cpu"))["low_memory"] is True
-    monkeypatch.setattr(budget, "needs_low_memory", lambda weights: False)
-    assert budget.dry_run(recipe, torch.device("cpu"))["low_memory"] is False
+    monkeypatch.setattr(dry_run, "needs_low_memory", lambda weights: True)
+    assert dry_run.dry_run(recipe, torch.device("cpu"))["low_memory"] is True
+    monkeypatch.setattr(dry_run, "needs_low_memory", lambda weights: False)
+    assert dry_run.dry_run(recipe, torch.device("cpu"))["low_memory"] is False
 
 
 def test_ranked_placements_estimate_their_placement_pass(tmp_path, offline):
@@ -171,6 +171,6 @@ def test_ranked_placements_estimate_their_placement_pass(tmp_path, offline):
     for placement in ("spread", "retrieval", "measured", "kl"):
         recipe = _recipe(str(tmp_path), transfer=4096, finetune=4096)
         recipe.layers.placement = placement
-        seconds[placement] = budget.dry_run(recipe, torch.device("cpu"), low_memory=False)["seconds"]["placement pass"]
+        seconds[placement] = dry_run.dry_run(recipe, torch.device("cpu"), low_memory=False)["seconds"]["placement pass"]
     assert seconds["spread"] == seconds["retrieval"] == 0
     assert 0 < seconds["measured"] < seconds["kl"]

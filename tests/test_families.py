@@ -39,7 +39,8 @@ from linearize.convert.export import export
 from linearize.convert.budget import weight_bytes
 from linearize.convert.swap import linearize_model, new_parameters
 from linearize.convert.measure import final_hidden_states, head_logits
-from linearize.convert.train import next_token_loss, teacher_attention
+from linearize.convert.train import next_token_loss
+from linearize.modeling.modes import teacher_attention
 from linearize.modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

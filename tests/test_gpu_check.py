@@ -1,4 +1,4 @@
-"""`python -m linearize.kernels.gpu_check`: its `--quick` version (Triton's interpreter, CPU) runs end to end and passes.
+"""`python -m linearize.eval.gpu_check`: its `--quick` version (Triton's interpreter, CPU) runs end to end and passes.
 
 The full check needs a CUDA device; here only its refusal without one is tested.
 """
@@ -25,7 +25,7 @@ DELTA_TENSORS = CHUNK_TENSORS | {"dbeta"}
 
 def run_gpu_check(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "linearize.kernels.gpu_check", *args],
+        [sys.executable, "-m", "linearize.eval.gpu_check", *args],
         check=False,
         cwd=cwd,
         env={k: v for k, v in env.items() if k != "TRITON_INTERPRET"},  # --quick sets it itself
@@ -107,7 +107,8 @@ def test_skipping_delta_leaves_out_the_delta_rule_checks_only(tmp_path: Path, cl
 def test_fallback_launches_name_each_kernel_at_its_fewest_stages_and_narrowest_tile(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from linearize.kernels import delta_triton, gla_triton, gpu_check
+    from linearize.eval import gpu_check
+    from linearize.kernels import delta_triton, gla_triton
 
     state, dv, scan = gla_triton._fwd_state_kernel, gla_triton._bwd_dv_kernel, delta_triton._delta_dstate_kernel
     refused = {

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from linearize.convert.swap import linearize_model
-from linearize.eval.perplexity import state_off, state_off_layers
+from linearize.modeling.modes import state_off, state_off_layers
 from linearize.modeling.configuration_linearize import LINEAR
 
 WINDOW, SINKS, T = 8, 2, 40

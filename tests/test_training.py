@@ -50,14 +50,15 @@ def test_stage1_lowers_the_transfer_loss(tiny_llama_dir, tiny_tokenizer):
 def test_stage1_backpropagating_each_layer_in_its_forward_equals_one_backward(tiny_llama_dir, tiny_tokenizer, per_pass):
     """Stage 1's local losses (each layer's backward at the end of its forward, in passes of one row or not)
     give the same parameters as the sum of the losses backpropagated once."""
-    from linearize.convert.train import linear_layers, transfer_mode
+    from linearize.modeling.modeling_linearize import linear_attentions
+    from linearize.modeling.modes import transfer_mode
 
     stage = dataclasses.replace(Recipe().transfer, tokens=32 * 2 * 3, seq_len=32, batch_size=2, lr=1e-2)
     rows = _stage_data(stage, tiny_tokenizer, seed=0)
 
     def step_loss(backbone, batch):
         backbone(input_ids=batch, use_cache=False)
-        return torch.stack([layer.transfer_loss for layer in linear_layers(backbone)]).sum()
+        return torch.stack([layer.transfer_loss for layer in linear_attentions(backbone)]).sum()
 
     trained = []
     for local in (False, True):

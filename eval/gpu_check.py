@@ -19,7 +19,7 @@ every config compiled and timed); the report is rewritten after every part, so a
 Kernel modules are imported inside the functions that call them: Triton picks its interpreter when a
 kernel is decorated, so `--quick` must set TRITON_INTERPRET before the first import.
 
-    python -m linearize.kernels.gpu_check [--quick] [--out DIR] [--skip PART ...] [--check-budget S] [--autotune]
+    python -m linearize.eval.gpu_check [--quick] [--out DIR] [--skip PART ...] [--check-budget S] [--autotune]
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .delta_torch import delta_chunked, delta_recurrent
-from .gla_torch import MIN_LOG_DECAY, gla_chunked, gla_parallel, gla_recurrent
+from ..kernels.delta_torch import delta_chunked, delta_recurrent
+from ..kernels.gla_torch import MIN_LOG_DECAY, gla_chunked, gla_parallel, gla_recurrent
 
 if TYPE_CHECKING:
-    from ..eval.kernel_bench import DecodeRow, PrefillRow
+    from .kernel_bench import DecodeRow, PrefillRow
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
     """fn() and its wall time in seconds, the device synchronized around it."""
-    from ..eval.kernel_bench import sync
+    from .kernel_bench import sync
 
     sync(device)
     started = time.perf_counter()
@@ -218,7 +218,7 @@ def _row(
 
 def _with_normalizer_column(fn: Callable) -> Callable:
     """fn on v's first V - 1 columns plus a column of ones: the normalizer as the PyTorch forms compute it."""
-    from .ops import with_normalizer  # imports the Triton kernels: only once --quick has chosen the interpreter
+    from ..kernels.ops import with_normalizer  # imports the Triton kernels: only once --quick has chosen the interpreter
 
     def run(q, k, v, g, scale, h0):
         return fn(q, k, with_normalizer(v[..., :-1]), g, scale, h0)
@@ -234,7 +234,7 @@ def check_chunk(
     With `normalizer` the kernel carries its [K] normalizer for V - 1 value columns, against the
     reference run on a column of ones: outputs, states and cotangents keep V columns either way.
     """
-    from .gla_triton import chunk_gla_triton
+    from ..kernels.gla_triton import chunk_gla_triton
 
     x = make_inputs(plan.check_heads, T, K, V, gate, device, seed=T * 1000 + K + V)
     scale = K**-0.5
@@ -259,7 +259,7 @@ def check_chunk(
 def check_delta_chunk(plan: Plan, T: int, K: int, V: int, gate: str, device: torch.device) -> list[CheckRow]:
     """The delta rule's chunked kernel, forward and backward, in every check dtype against one fp64 reference
     (the step-by-step recurrence for short T, the PyTorch chunked form beyond)."""
-    from .delta_triton import chunk_delta_triton
+    from ..kernels.delta_triton import chunk_delta_triton
 
     x = make_delta_inputs(plan.check_heads, T, K, V, gate, device, seed=T * 1000 + K + V + 7)
     scale = K**-0.5
@@ -279,7 +279,7 @@ def check_delta_chunk(plan: Plan, T: int, K: int, V: int, gate: str, device: tor
 def check_decode(plan: Plan, K: int, V: int, device: torch.device, normalizer: bool = False) -> list[CheckRow]:
     """One fused decoding step from a state, in every check dtype, against the fp64 recurrence
     (with `normalizer`: the [K] normalizer for V - 1 value columns, as in `check_chunk`)."""
-    from .gla_triton import fused_recurrent_gla_triton
+    from ..kernels.gla_triton import fused_recurrent_gla_triton
 
     x = make_inputs(plan.check_heads, 1, K, V, "channel", device, seed=K + V)
     scale = K**-0.5
@@ -346,7 +346,7 @@ def fallback_launches() -> dict[str, dict[str, int]]:
     `delta_triton._fitting_chunks`): per kernel the fewest pipeline stages and, where narrowed, the narrowest
     value tile it ran at; per delta-rule shape the chunk length. Those launches may run slower than the
     default's timings suggest."""
-    from . import delta_triton, gla_triton
+    from ..kernels import delta_triton, gla_triton
 
     out: dict[str, dict[str, int]] = {}
     for (kernel, *default), (depth, fit) in gla_triton._fallbacks.items():
@@ -370,14 +370,14 @@ def worst_errors(rows: list[CheckRow]) -> dict[str, dict[str, dict[str, float]]]
 
 
 def _triton_chunk(x: dict, D: int) -> torch.Tensor:
-    from .gla_triton import chunk_gla_triton
+    from ..kernels.gla_triton import chunk_gla_triton
 
     return chunk_gla_triton(x["q"], x["k"], x["v"], x["g"], D**-0.5)[0]
 
 
 def time_prefill(plan: Plan, device: torch.device) -> list[PrefillRow]:
     """Forward and forward + backward at K = V = D for each D of the plan's value dims, on every method."""
-    from ..eval.kernel_bench import _add_fla_layout, _fla_runner, _sdpa, prefill_rows
+    from .kernel_bench import _add_fla_layout, _fla_runner, _sdpa, prefill_rows
 
     methods = {OURS: (_triton_chunk, ("q", "k", "v", "g")), SDPA: (_sdpa, ("q", "k", "v"))}
     fla = _fla_runner() if device.type == "cuda" else None
@@ -398,8 +398,8 @@ def time_prefill(plan: Plan, device: torch.device) -> list[PrefillRow]:
 @torch.no_grad()
 def time_decode(plan: Plan, device: torch.device) -> list[DecodeRow]:
     """One new token: the fused step on a [K, V] state per head against one query over a KV cache of T tokens."""
-    from ..eval.kernel_bench import DecodeRow, time_calls
-    from .gla_triton import fused_recurrent_gla_triton
+    from .kernel_bench import DecodeRow, time_calls
+    from ..kernels.gla_triton import fused_recurrent_gla_triton
 
     D = max(plan.value_dims)
     B, _, H = plan.time_heads
@@ -442,7 +442,7 @@ def run_conversion(plan: Plan, quick: bool, device: torch.device) -> dict[str, A
     """
     from ..convert.pipeline import apply_overrides, convert, default_recipe
     from ..convert.recipes import Recipe
-    from .ops import kernel_backend
+    from ..kernels.ops import kernel_backend
 
     if quick:
         teacher, tokenizer = _tiny_teacher()
@@ -535,7 +535,7 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..eval.kernel_bench import plot_timings
+    from .kernel_bench import plot_timings
 
     fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     plot_timings(axes, prefill, decode)
@@ -579,7 +579,7 @@ def _summary(report: dict[str, Any], checks: list[CheckRow], prefill: list[Prefi
     from rich.console import Console
     from rich.table import Table
 
-    from ..eval.kernel_bench import _render
+    from .kernel_bench import _render
 
     console = Console(width=max(Console().width, 140))
     if prefill:
@@ -615,7 +615,7 @@ def _summary(report: dict[str, Any], checks: list[CheckRow], prefill: list[Prefi
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m linearize.kernels.gpu_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m linearize.eval.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny version on CPU under TRITON_INTERPRET=1 (seconds)")
     p.add_argument("--out", type=Path, default=Path("out/gpu_check"), help="folder for gpu_check.{json,png}")
     p.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths (default 2048..16384; quick 32 80)")
@@ -641,14 +641,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import triton
 
-        from . import gla_triton
+        from ..kernels import gla_triton
     except ImportError as err:
         print(f"gpu_check: error: triton is not importable ({err}): pip install triton", file=sys.stderr)
         return 2
     if args.quick and not gla_triton._interpreting():
         print("gpu_check: error: --quick runs Triton's interpreter: unset TRITON_INTERPRET or set it to 1", file=sys.stderr)
         return 2
-    from ..eval.kernel_bench import _fla_runner
+    from .kernel_bench import _fla_runner
 
     base = QUICK if args.quick else FULL
     plan = replace(
