@@ -13,7 +13,7 @@ H is a multiple of Hkv (GQA), a group's queries read their KV head without copie
 
 `window_softmax_terms` is the training and prefill form, O(T * window) in blocks of queries;
 `window_step_terms` is one decoding query against a ring of exactly `window` keys. Both match a dense
-softmax under the band-plus-sinks mask (tests/test_window_torch.py).
+softmax under the band-plus-sinks mask (tests/kernels/test_window_torch.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 
-# --- conversion pipeline fixtures (tests/test_cli.py, test_resume.py, test_distributed.py, ...) ---
+# --- conversion pipeline fixtures (tests/cli/test_cli.py, test_resume.py, test_distributed.py, ...) ---
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -20,6 +20,22 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_fields(**overrides) -> dict:
+    """The one tiny decoder shape the suite builds its random models from: hidden 32, 4 heads over 2 KV
+    heads (GQA), head dim 8, vocab 128, 2 layers; any field can be overridden (a config class's keywords)."""
+    fields = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    fields.update(overrides)
+    return fields
 
 
 def _tiny_tokenizer():
@@ -57,17 +73,14 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
     tok = tiny_tokenizer
     config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
+        **tiny_fields(
+            vocab_size=len(tok),
+            num_hidden_layers=4,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            tie_word_embeddings=True,
+        )
     )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("models") / "tiny-llama"
@@ -130,7 +143,7 @@ def run_linearize():
     return run
 
 
-# --- hybrid model fixtures (tests/test_modeling.py, test_export.py, test_performer.py) ---
+# --- hybrid model fixtures (tests/modeling/test_modeling.py, test_export.py, test_performer.py) ---
 
 
 @pytest.fixture
@@ -163,13 +176,8 @@ def make_tiny_linearize(layer_types, linear_attention=None, *, seed: int = 0, **
     from linearize.modeling.configuration_linearize import LinearizeConfig
     from linearize.modeling.modeling_linearize import LinearizeForCausalLM
 
-    fields = dict(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
+    fields = tiny_fields(
         num_hidden_layers=len(layer_types),
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=2048,
         initializer_range=0.1,
         pad_token_id=0,

@@ -25,21 +25,13 @@ from linearize.eval.bench import (
     weight_bytes_per_step,
 )
 from linearize.eval.cli import bench_main
+from conftest import tiny_fields
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8
 
 
 def tiny_config(**extra) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=512,
-        **extra,
-    )
+    return LlamaConfig(**tiny_fields(num_hidden_layers=LAYERS, num_key_value_heads=KV_HEADS, **extra))
 
 
 @pytest.fixture(scope="module")

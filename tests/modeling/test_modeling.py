@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_linearize
+from conftest import make_tiny_linearize, tiny_fields
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -1251,21 +1251,11 @@ def test_softmax_layers_see_split_decode_for_sdpa_and_follow_the_model(monkeypat
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. teachers in memory swap exactly (every family: tests/test_families.py)
+# 6. teachers in memory swap exactly (every family: tests/modeling/test_families.py)
 
 
 def _base(**extra):
-    return dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        **extra,
-    )
+    return tiny_fields(vocab_size=VOCAB, num_hidden_layers=3, max_position_embeddings=256, initializer_range=0.2, **extra)
 
 
 TEACHERS = {
@@ -1441,16 +1431,7 @@ def test_unsupported_architecture_lists_supported_families():
 
 
 def tiny_config(layer_types, settings=None) -> LinearizeConfig:
-    return LinearizeConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=layer_types,
-        linear_attention=settings,
-    )
+    return LinearizeConfig(**tiny_fields(vocab_size=VOCAB, layer_types=layer_types, linear_attention=settings))
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from linearize.convert.card import context_markdown
 from linearize.convert.measure import compare_contexts, perplexity, perplexity_by_context, usable_contexts, windows
 from linearize.eval.perplexity import load_text, plot_contexts
+from conftest import tiny_fields
 
 VOCAB = 128
 
@@ -21,15 +22,7 @@ VOCAB = 128
 @pytest.fixture(scope="module")
 def tiny() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    cfg = LlamaConfig(**tiny_fields(vocab_size=VOCAB, max_position_embeddings=256))
     return LlamaForCausalLM(cfg).eval()
 
 

@@ -180,7 +180,7 @@ def test_model_card_snippet_runs_as_written(tiny_export, tmp_path):
 def test_python_started_in_the_checkout_root_imports_transformers():
     """`make convert` writes out/ in the checkout, so a user runs the card's snippet there: the root's kernels/
     folder must not stand in for the hub `kernels` package transformers imports (it hands over to it)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     code = "import transformers.integrations.hub_kernels, kernels; print(kernels.__file__)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)

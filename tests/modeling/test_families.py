@@ -3,7 +3,7 @@
 Tiny random teachers (hidden 32, 4 layers, vocab 128) of each family, with what makes the family
 differ switched on: fused or per-head q/k/v, partial rotary, q/k norms (per head or flat), scaled
 attention (Gemma's query_pre_attn_scalar, Granite's multipliers), sliding-window softmax layers.
-The README's support matrix comes from this file's results (`python -m pytest tests/test_families.py -v`).
+The README's support matrix comes from this file's results (`python -m pytest tests/modeling/test_families.py -v`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from linearize.convert.measure import final_hidden_states, head_logits
 from linearize.convert.train import next_token_loss
 from linearize.modeling.modes import teacher_attention
 from linearize.modeling.modeling_linearize import LinearAttention, LinearizeForCausalLM
+from conftest import tiny_fields
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -52,13 +53,9 @@ SLIDING = ["sliding_attention", FULL, "sliding_attention", FULL]
 
 
 def _common(**extra):
-    fields = dict(
+    fields = tiny_fields(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         initializer_range=0.2,
         pad_token_id=0,

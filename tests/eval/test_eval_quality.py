@@ -17,6 +17,7 @@ from linearize.convert.card import markers
 from linearize.eval import quality as Q
 from linearize.eval.cli import eval_main, ppl_main
 from linearize.eval.tasks import build_tasks
+from conftest import tiny_fields
 
 TASK = "arc_easy"  # reports acc and acc_norm
 
@@ -39,15 +40,12 @@ def save_tiny(path: Path, seed: int, teacher: str | None = None) -> Path:
     tokenizer = tiny_tokenizer()
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
+        **tiny_fields(
+            vocab_size=len(tokenizer),
+            max_position_embeddings=2048,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+        )
     )
     if teacher:
         cfg.linearize_teacher = teacher

@@ -1,6 +1,6 @@
 """The fused feature maps' dtypes and caps, run by Triton's interpreter on CPU tensors.
 
-The fused path is forced as in tests/test_kernels_triton.py (LINEARIZE_KERNELS=triton), which also
+The fused path is forced as in tests/kernels/test_kernels_triton.py (LINEARIZE_KERNELS=triton), which also
 holds fp32 dispatch equal to fp32 PyTorch; here results are checked against float64 PyTorch on the
 same (already rounded) values, for low-precision and mixed dtypes, and above the caps.
 """

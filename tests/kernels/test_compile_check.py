@@ -1,9 +1,9 @@
 """`python -m linearize.kernels.compile_check`: every kernel launch compiled for real GPUs, here without one.
 
-The two `--quick` targets compile at once (two processes, one per target): sm_86, whose 99 KB of shared
-memory per block refuses some fp32 tiles at Triton's default 3 pipeline stages, so the library's retry at
-fewer stages (`gla_triton._launch`) must carry every case; and sm_90 (H100 / H200), the GPU the speed
-goals are set on. The narrower fallbacks (value tiles, the delta rule's chunk length) that the fp32 K = 256
+The suite compiles the `--quick` cases for one target, sm_86, whose 99 KB of shared memory per block
+refuses some fp32 tiles at Triton's default 3 pipeline stages, so the library's retry at fewer stages
+(`gla_triton._launch`) must carry every case. The other targets (sm_90, the GPU the speed goals are set
+on, among them) compile with `python -m linearize.kernels.compile_check`; docs/gpu.md has that run. The narrower fallbacks (value tiles, the delta rule's chunk length) that the fp32 K = 256
 cases need on sm_86 take minutes to compile; `test_kernels_triton.py` and `test_kernels_delta_triton.py` test
 them with stand-ins, and docs/gpu.md reports the full run.
 """
@@ -33,38 +33,29 @@ def _finish(proc: subprocess.Popen) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def test_every_launch_compiles_and_fits_the_quick_targets(tmp_path: Path, cli_env: dict[str, str]) -> None:
-    procs = {
-        target: _start([*CHECK, "--quick", "--targets", target, "--out", str(tmp_path / target)], tmp_path, cli_env)
-        for target in ("sm_86", "sm_90")
-    }
-    reports = {}
-    for target, proc in procs.items():
-        code, out = _finish(proc)
-        assert code == 0, out[-4000:]
-        assert "PASSED" in out
-        reports[target] = json.loads((tmp_path / target / "compile_check.json").read_text())
-    for target, report in reports.items():
-        assert report["passed"] and not report["failures"]
-        (row,) = report["targets"]
-        assert row["target"] == target and row["cases_passed"] == row["cases"] == 23
-        kernels = report["kernels"]
-        assert {c["target"] for c in kernels} == {target}
-        names = {c["kernel"] for c in kernels}
-        for family in ("_fwd_state_kernel", "_bwd_inter_kernel", "_fused_recurrent_kernel", "_ut_bwd_kernel",
-                       "_fused_recurrent_delta_kernel", "_hedgehog_bwd_kernel", "_performer_kernel"):  # fmt: skip
-            assert family in names
-        assert {c["constants"]["DT"] for c in kernels if c["kernel"] == "_fwd_output_kernel"} == {"fp32", "bf16"}
-        assert all(c["registers"] > 0 and c["shared"] >= 0 for c in kernels)
-        assert max(c["shared"] for c in kernels if c["fits"]) <= row["shared_limit"]
-
-    sm86, sm90 = (reports[t]["kernels"] for t in ("sm_86", "sm_90"))
-    refused = {(c["kernel"], c["case"]) for c in sm86 if not c["fits"]}
+def test_every_launch_compiles_and_fits_sm_86(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    proc = _start([*CHECK, "--quick", "--targets", "sm_86", "--out", str(tmp_path)], tmp_path, cli_env)
+    code, out = _finish(proc)
+    assert code == 0, out[-4000:]
+    assert "PASSED" in out
+    report = json.loads((tmp_path / "compile_check.json").read_text())
+    assert report["passed"] and not report["failures"]
+    (row,) = report["targets"]
+    assert row["target"] == "sm_86" and row["cases_passed"] == row["cases"] == 23
+    kernels = report["kernels"]
+    assert {c["target"] for c in kernels} == {"sm_86"}
+    names = {c["kernel"] for c in kernels}
+    for family in ("_fwd_state_kernel", "_bwd_inter_kernel", "_fused_recurrent_kernel", "_ut_bwd_kernel",
+                   "_fused_recurrent_delta_kernel", "_hedgehog_bwd_kernel", "_performer_kernel"):  # fmt: skip
+        assert family in names
+    assert {c["constants"]["DT"] for c in kernels if c["kernel"] == "_fwd_output_kernel"} == {"fp32", "bf16"}
+    assert all(c["registers"] > 0 and c["shared"] >= 0 for c in kernels)
+    assert max(c["shared"] for c in kernels if c["fits"]) <= row["shared_limit"]
+    refused = {(c["kernel"], c["case"]) for c in kernels if not c["fits"]}
     assert refused, "fp32 tiles at 3 stages exceed 99 KB: sm_86 must refuse some"
-    assert all(c["stages"] == 3 and c["shared"] > 101376 for c in sm86 if not c["fits"])
-    retried = {(c["kernel"], c["case"]) for c in sm86 if c["fits"] and c["stages"] < 3}
+    assert all(c["stages"] == 3 and c["shared"] > 101376 for c in kernels if not c["fits"])
+    retried = {(c["kernel"], c["case"]) for c in kernels if c["fits"] and c["stages"] < 3}
     assert refused <= retried, "each refused launch ran again fewer stages deep, and fit"
-    assert all(c["fits"] for c in sm90), "H100 / H200 hold every launch at Triton's default stages"
 
 
 def test_autotune_compiles_every_config_the_tuner_would_time(tmp_path: Path, cli_env: dict[str, str]) -> None:
