@@ -30,6 +30,8 @@ REMOTE_CODE = [
     ("modeling", "configuration_linearize.py"),
     ("modeling", "families.py"),
     ("modeling", "modeling_linearize.py"),
+    ("modeling", "decoding_linearize.py"),
+    ("modeling", "cpu_layout_linearize.py"),
     ("kernels", "ops.py"),
     ("kernels", "gla_torch.py"),
     ("kernels", "delta_torch.py"),

@@ -41,10 +41,9 @@ if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):  # before the 
         f"linear-attention cache: pip install -U 'transformers>={MIN_TRANSFORMERS}'"
     )
 
-from transformers import AttentionInterface, GenerationMixin, PreTrainedModel  # noqa: E402
+from transformers import GenerationMixin, PreTrainedModel  # noqa: E402
 from transformers import initialization as init  # noqa: E402
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin  # noqa: E402
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin  # noqa: E402
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
 from transformers.utils.import_utils import is_torch_greater_or_equal  # noqa: E402
 
@@ -69,6 +68,14 @@ from ..kernels.window_torch import (  # noqa: E402
     window_step_terms,
 )
 from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
+from .cpu_layout_linearize import columns_serve, fusable, fuse_columns, lay_out_for_cpu_decode, split_gemv, still_fused  # noqa: E402
+from .decoding_linearize import (  # noqa: E402
+    COMPILED_STEP_OPTIONS,
+    SPLIT_DECODE,
+    ReservedDynamicLayer,
+    reserve_softmax_layers,
+    symbolic_step_sizes,
+)
 from .families import Family, family_of  # noqa: E402
 
 Derived = TypeVar("Derived")
@@ -81,36 +88,6 @@ RECURRENT_MAX_TOKENS = 16  # at most this many new tokens with a state: step the
 ERASE_INIT = 0.05
 ERASE_FLOOR = 1e-6
 PADDING_KWARG = "linearize_padding_mask"  # how the 2D padding mask reaches the linear layers
-RESERVE_MIN = 256  # positions of room a softmax layer's cache reserves at least (ReservedDynamicLayer)
-SPLIT_GEMV_MIN = 1 << 16  # weights with fewer elements than this stay as they are (SplitGemvLinear)
-SPLIT_GEMV_ROWS = 64  # up to this many rows (decoding batches) the split product beat the library's GEMM here
-SPLIT_DECODE_MIN_KEYS = 2048  # shorter softmax caches keep SDPA's own kernel, as fast there
-SPLIT_DECODE_BLOCKS = 8  # key blocks per KV head in split_decode_attention: work for every thread
-SPLIT_DECODE = "linearize_split_decode"  # the name softmax layers see for SDPA (SoftmaxAttentionConfig)
-# Inductor settings for the compiled decoding step (`compile_decoding`), each measured on 2 CPU cores:
-COMPILED_STEP_OPTIONS = {
-    # Its locality pass moves the reads of a ring's leaving token after the new token's write, and a
-    # slot written before its old value is read is a copy of the whole ring: 786 KB per layer and token.
-    "reorder_for_locality": False,
-    # Dynamo's guards already check each input's size and strides before the graph runs.
-    "size_asserts": False,
-    "alignment_asserts": False,
-    # Lets the C++ compiler fuse each multiply-and-add into one FMA: the fused GEMVs' inner loop is one
-    # instruction shorter: 33.2 against 34.7 ms per all-linear step (results move by rounding only).
-    "cpp.enable_floating_point_contract_flag": "fast",
-    # Element-wise chains of more than 8 ops are stored once instead of recomputed inside their reader's
-    # loop (inductor's CPU default is 50). Otherwise a GEMV recomputes its input per weight row (the
-    # window/state mix before o_proj, the RMSNorm before q/k/v and the head) and the window scores
-    # recompute the rotary cos/sin per key: 32.9 against 34.7 ms per all-linear step with the settings
-    # above (6 does as well as 8; 3, 10, 12 and 16 are slower).
-    "realize_opcount_threshold": 8,
-}
-# The sizes a decoding step reads from the cache and that change as it decodes: a linear layer's token count,
-# a softmax layer's filled length and its room's capacity. Dynamo specializes such a size the first time and
-# makes it symbolic only when it changes, so the second step, and a room's first growth, compiled a graph of
-# their own (each 1.5-2 minutes for the default's step on 2 cores from a cold cache). Listed as Dynamo's
-# `dynamic_sources` (regexes over the inputs' sources, `:N` a tensor's dim), they are symbolic from the first.
-STEP_SIZES = r".*\.linearize_seen$,.*\.linearize_filled$,.*\.linearize_room\[[01]\]:2"
 
 
 def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make: Callable[[], Derived]) -> Derived:
@@ -1018,7 +995,11 @@ _LINEAR_CLASSES: dict[type, type] = {}
 
 
 def linear_attentions(module: nn.Module) -> tuple[LinearAttention, ...]:
-    """Every linear layer inside `module` in order: a converted model, its backbone, or any wrapper of them."""
+    """Every linear layer inside `module` in order: a converted model (its own list, also when loaded as remote
+    code, whose classes are the export's copies), its backbone, or any wrapper of them (peft forwards the list)."""
+    own = getattr(module, "linear_attentions", None)
+    if own is not None:
+        return tuple(own)
     return tuple(m for m in module.modules() if isinstance(m, LinearAttention))
 
 
@@ -1077,323 +1058,6 @@ def rotates_like_half_rotary(rotary: Callable) -> bool:
         if not all(isinstance(t, torch.Tensor) and t.dtype == o.dtype and torch.equal(t, o) for t, o in zip(theirs, ours)):
             return False
     return True
-
-
-class ReservedDynamicLayer(DynamicLayer):
-    """transformers' `DynamicLayer` for a softmax layer, appending into reserved room instead of concatenating.
-
-    `DynamicLayer.update` copies the whole cache into a fresh tensor on every token: at 16K tokens of
-    SmolLM2 that is 25 MB written per layer and step, 1.6 ms of a softmax layer's ~7 ms on 2 cores,
-    and the fresh pages fault in besides. Here `keys` / `values` are views of the first n positions
-    of buffers with a quarter more room; a step writes its token in place, and only a full buffer is
-    copied (amortized O(1) per token). Whatever replaces `keys` / `values` from outside (crop, beam
-    reorder, batch selection, offloading) stays the truth: the next update reserves again from it.
-    A compiled decoding step finds its room already made (`reserve_before_graph`, from
-    `LinearizeForCausalLM.forward`) and its length in `linearize_filled`, so its graph holds the
-    in-place write, no allocation, and no view of the cache as an input: only the whole buffers,
-    whose strides follow from their sizes. Their capacity is a symbolic size (STEP_SIZES), so growths
-    reuse the graph: 48 ms per step for the 3:1 student at 16K, against 64 ms when the graph
-    concatenates.
-    """
-
-    def reserve(self, tokens: int, like: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Make room for `tokens` more positions and one spare, shaped and typed as `like` (default: the cache's own).
-
-        The spare keeps the cache a strict prefix of its buffer: a view that filled it would be contiguous,
-        and a compiled graph specialized on the other case would compile again.
-        """
-        room, lent = getattr(self, "linearize_room", None), getattr(self, "linearize_lent", None)
-        filled = super().get_seq_length()
-        needed = filled + tokens
-        if room is None or lent is None or lent[0] is not self.keys or lent[1] is not self.values or needed >= room[0].shape[-2]:
-            capacity = needed + max(RESERVE_MIN, needed // 4)
-            room = tuple(x.new_empty(*x.shape[:-2], capacity, x.shape[-1]) for x in like or (self.keys, self.values))
-            if filled:
-                room[0][..., :filled, :].copy_(self.keys)
-                room[1][..., :filled, :].copy_(self.values)
-            self.linearize_room, self.linearize_lent = room, (self.keys, self.values)
-        self.linearize_filled = filled
-
-    def reserve_before_graph(self) -> None:
-        """Before a compiled decoding step: its token's room, made eagerly, so the graph only writes in place."""
-        self.reserve(1)
-        self.linearize_ready = True
-
-    def _ready(self) -> bool:
-        return torch.compiler.is_compiling() and getattr(self, "linearize_ready", False)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if not self._ready():
-            self.reserve(key_states.shape[-2], (key_states, value_states))
-        room, filled = self.linearize_room, self.linearize_filled
-        needed = filled + key_states.shape[-2]
-        room[0][..., filled:needed, :].copy_(key_states)
-        room[1][..., filled:needed, :].copy_(value_states)
-        self.keys, self.values = room[0][..., :needed, :], room[1][..., :needed, :]
-        self.linearize_lent, self.linearize_filled, self.linearize_ready = (self.keys, self.values), needed, False
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        """In a compiled step, the reserved length: reading `keys` would make its view a graph input."""
-        return self.linearize_filled if self._ready() else super().get_seq_length()
-
-    def reset(self) -> None:
-        self.linearize_room = self.linearize_lent = None
-        self.linearize_ready = False
-        super().reset()
-
-
-def reserve_softmax_layers(cache: Cache) -> None:
-    """Give a cache's unused plain `DynamicLayer`s (softmax layers) the in-place `ReservedDynamicLayer`."""
-    for index, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer and not layer.is_initialized:
-            cache.layers[index] = ReservedDynamicLayer()
-
-
-def symbolic_step_sizes(step: Callable) -> Callable:
-    """`step` (a compiled decoding step) run with STEP_SIZES among Dynamo's dynamic sources, so its first
-    graph already takes the cache's changing sizes as symbols; a torch without that setting compiles as before."""
-    config = torch.compiler.config
-    if not hasattr(config, "dynamic_sources"):
-        return step
-
-    @functools.wraps(step)
-    def run(*args, **kwargs):
-        with config.patch(dynamic_sources=",".join(filter(None, (config.dynamic_sources, STEP_SIZES)))):
-            return step(*args, **kwargs)
-
-    return run
-
-
-def split_gemv(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ columns [in, out] (contiguous: a column-major weight's transpose) -> [rows, out], as one
-    batched product over as many slices of the input dimension as there are threads, then summed (see
-    `SplitGemvLinear`). One row, the usual decoding step, is sliced by a single view: every op counts there."""
-    width, out = columns.shape
-    parts = math.gcd(width, torch.get_num_threads())
-    rows = x.numel() // width
-    slices = x.reshape(parts, 1, -1) if rows == 1 else x.reshape(rows, parts, -1).transpose(0, 1)
-    return torch.bmm(slices, columns.view(parts, -1, out)).sum(0)
-
-
-class SplitGemvLinear(nn.Linear):
-    """`nn.Linear` whose decoding-sized products without autograd on CPU take the layout's fastest path.
-
-    A decoding step on CPU is one GEMV per weight, and PyTorch runs it on one core: over the usual
-    row-major [out, in] weight it read ~10 GB/s on 2 cores here (SmolLM2's MLP, and 13 ms of a
-    ~80 ms step for the 49K x 576 output head alone).
-    - Eager: the same weight stored column-major (the parameter keeps its shape, only its strides
-      change) and multiplied as `threads` batched slices of its input dimension, summed, reads
-      20-35 GB/s, and stays ahead for batches up to SPLIT_GEMV_ROWS rows.
-    - Compiled (`LinearizeForCausalLM.compile_decoding`, weights row-major): one row is a multiply and
-      a sum over the input dimension, which inductor fuses into one reduction over all threads, at
-      every size. The library's GEMV over the same row-major weight varies far more between CPUs:
-      on SmolLM2's 49K x 576 head it read 26.2 GB/s on one machine (inductor's 23.7) and 11.2 GB/s
-      on another (inductor's 31.2), where it cost 7 ms of a 31 ms all-linear step.
-    Anything else (autograd, more rows, another device) takes `nn.Linear`'s own path.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        rows = x.numel() // self.in_features
-        if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-            return super().forward(x)
-        if torch.compiler.is_compiling():
-            if rows != 1 or not weight.is_contiguous():
-                return super().forward(x)
-            y = (weight * x.reshape(1, -1)).sum(-1)
-        else:
-            columns = weight.t()
-            if math.gcd(self.in_features, torch.get_num_threads()) == 1 or rows > SPLIT_GEMV_ROWS or not columns.is_contiguous():
-                return super().forward(x)
-            y = split_gemv(x, columns)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-def fusable(linears: tuple[nn.Module, ...]) -> bool:
-    """Whether these are plain linears with floating-point CPU weights of one dtype (`fuse_columns` can join them)."""
-    dtype = linears[0].weight.dtype
-    return all(
-        type(m) in (nn.Linear, SplitGemvLinear) and m.weight.device.type == "cpu" and m.weight.is_floating_point() and m.weight.dtype == dtype
-        for m in linears
-    )
-
-
-def fuse_columns(linears: tuple[nn.Module, ...]) -> torch.Tensor:
-    """One column-major [in, sum of outs] tensor whose column slices become the weights of `linears` (`fusable`
-    ones reading one input), so a decoding step's `split_gemv` over it replaces one product each. Values and
-    parameter objects are unchanged (only `.data`); `lay_out_for_cpu_decode` gives each its own tensor back."""
-    weights = [m.weight for m in linears]
-    columns = torch.cat([w.detach() for w in weights], dim=0).t().contiguous()
-    start = 0
-    for weight in weights:
-        weight.data = columns[:, start : start + weight.shape[0]].t()
-        start += weight.shape[0]
-    return columns
-
-
-def columns_serve(columns: torch.Tensor, linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
-    """Whether a product over `columns` may stand in for `linears` on input x: an eager step of few rows in the
-    columns' dtype, without autograd (inside a compiled graph the weights are row-major and fuse there)."""
-    return not (
-        torch.compiler.is_compiling()
-        or x.numel() > SPLIT_GEMV_ROWS * columns.shape[0]
-        or x.dtype != columns.dtype
-        or (torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears)))
-    )
-
-
-def still_fused(columns: torch.Tensor, linears: tuple[nn.Module, ...]) -> bool:
-    """Whether the weights of `linears` are still `columns`' slices, in order (a `.to()` or a load replaces them)."""
-    start = columns.data_ptr()
-    for m in linears:
-        if m.weight.data_ptr() != start:
-            return False
-        start += m.weight.shape[0] * columns.element_size()
-    return True
-
-
-class GateUpMLP(nn.Module):
-    """The family's gated MLP, down(act(gate(x)) * up(x)), whose eager CPU decoding step (few rows, no autograd)
-    computes gate and up as one split GEMV over their weights side by side (`gate_up_columns`, laid out by
-    `lay_out_for_cpu_decode`): one product a layer fewer, each costing tens of µs beyond its bytes on a
-    CPU. Anything else, and every family whose MLP is not that formula, runs the family's forward."""
-
-    gate_up_columns: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        columns = self.gate_up_columns
-        parts = (self.gate_proj, self.up_proj)
-        if columns is None or not columns_serve(columns, parts, x):
-            return super().forward(x)
-        if not still_fused(columns, parts):
-            self.gate_up_columns = None
-            return super().forward(x)
-        gate, up = split_gemv(x, columns).view(*x.shape[:-1], -1).chunk(2, dim=-1)
-        if self.gate_proj.bias is not None:
-            gate, up = gate + self.gate_proj.bias, up + self.up_proj.bias
-        return self.down_proj(self.act_fn(gate) * up)
-
-
-_GATE_UP_CLASSES: dict[type, type | None] = {}
-
-
-@torch.no_grad()
-def gate_up_mlp_class(mlp: nn.Module) -> type | None:
-    """`GateUpMLP` over this MLP's class where the class computes exactly down(act(gate(x)) * up(x)) (checked once
-    per class, on this module and a random row), else None."""
-    base = type(mlp)
-    gate, up, down = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
-    linears = all(isinstance(m, nn.Linear) for m in (gate, up, down))
-    if not (linears and callable(getattr(mlp, "act_fn", None)) and fusable((gate, up)) and (gate.bias is None) == (up.bias is None)):
-        return None  # not this layout, or not fusable as placed (offloaded, quantized): no verdict on the class
-    if issubclass(base, GateUpMLP):
-        return base
-    if base not in _GATE_UP_CLASSES:
-        x = torch.randn(1, 1, gate.in_features, generator=torch.Generator().manual_seed(0), device="cpu").to(gate.weight.dtype)
-        exact = torch.equal(base.forward(mlp, x), down(mlp.act_fn(gate(x)) * up(x)))
-        _GATE_UP_CLASSES[base] = type(f"GateUp{base.__name__}", (GateUpMLP, base), {}) if exact else None
-    return _GATE_UP_CLASSES[base]
-
-
-def lay_out_for_cpu_decode(model: nn.Module, column_major: bool, smallest: int | None = None) -> None:
-    """Make the CPU linear layers of `smallest` (default SPLIT_GEMV_MIN) elements or more `SplitGemvLinear`s,
-    their weights column-major (eager decoding) or row-major. Column-major, the weights that read one input
-    are also joined into one tensor: a linear layer's projections (`LinearAttention.lay_out_projections`)
-    and a gated MLP's gate and up (`GateUpMLP`); row-major, each has its own tensor again.
-
-    Values, parameter objects and tying are unchanged (only `.data` is replaced), so optimizers and
-    tied heads keep working; saving wants row-major tensors, so `save_pretrained` puts them back.
-    Only plain `nn.Linear` layers with floating-point weights change: subclasses (quantized layers)
-    own their weights' layout.
-    """
-    smallest = SPLIT_GEMV_MIN if smallest is None else smallest
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if type(module) not in (nn.Linear, SplitGemvLinear) or not weight.is_floating_point() or weight.device.type != "cpu":
-            continue
-        if not column_major and not weight.is_contiguous():  # any size: fused q/k/v slices (`lay_out_projections`) too
-            weight.data = weight.data.contiguous()
-        if weight.numel() < smallest:
-            continue
-        if column_major and not weight.t().is_contiguous():
-            weight.data = weight.data.t().contiguous().t()
-        module.__class__ = SplitGemvLinear
-    for module in model.modules():
-        if isinstance(module, LinearAttention):
-            module.lay_out_projections(fused=column_major)
-        elif isinstance(module, GateUpMLP) and not column_major:
-            module.gate_up_columns = None
-        elif column_major and (gated := gate_up_mlp_class(module)) is not None:
-            module.__class__ = gated
-            module.gate_up_columns = fuse_columns((module.gate_proj, module.up_proj))
-
-
-def split_decode_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, except one unmasked CPU query over a long cache: key blocks apart, then merged.
-
-    For a single query PyTorch's CPU SDPA works per query head, so each KV head's cache is read once
-    per query head of its group (3 times for SmolLM2), and past the last-level cache (16K tokens:
-    25 MB per layer) that costs. Here each KV head's group scores its cache once, in
-    SPLIT_DECODE_BLOCKS blocks (views of the cache rows) that keep every thread busy, and the
-    blocks' softmaxes merge by their maxima and sums, as flash-decoding does: the 3:1 student's
-    step at 16K took 66 ms against 70 ms on 2 cores. Inside a compiled step (any length) the group's
-    queries are one product with its cache instead, which inductor leaves to BLAS: 1.4 ms against
-    SDPA's 2.1 ms at 16K. Anything else (masks, several queries, soft-capping, sinks, GPUs) is SDPA's.
-    """
-    B, H, Q, D = query.shape
-    Hkv, T = key.shape[1], key.shape[2]
-    compiling = torch.compiler.is_compiling()
-    if (
-        Q != 1
-        or attention_mask is not None
-        or dropout
-        or (T < SPLIT_DECODE_MIN_KEYS and not compiling)
-        or query.device.type != "cpu"
-        or H % Hkv
-        or any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sliding_window", "position_bias"))
-    ):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    group, Dv = H // Hkv, value.shape[-1]
-    q = (query.reshape(B, Hkv, group, D) * (D**-0.5 if scaling is None else scaling)).to(key.dtype)
-    if compiling:
-        weights = torch.matmul(q, key.transpose(-1, -2)).float().softmax(-1)
-        out = torch.matmul(weights.to(value.dtype), value)
-        return out.reshape(B, H, 1, Dv).transpose(1, 2), None
-    blocks = SPLIT_DECODE_BLOCKS
-    even = T // blocks * blocks
-    out = query.new_empty(B, Hkv, group, Dv)
-    for b in range(B):  # per KV head: its cache rows are contiguous, so the blocks are views, not copies
-        for h in range(Hkv):
-            parts = [(blocks, key[b, h, :even], value[b, h, :even])] + ([(1, key[b, h, even:], value[b, h, even:])] if even < T else [])
-            maxima, sums, outs = [], [], []
-            for n, k, v in parts:
-                scores = torch.bmm(q[b, h].expand(n, group, D), k.reshape(n, -1, D).transpose(1, 2)).float()
-                top = scores.amax(-1, keepdim=True)
-                weights = (scores - top).exp_()
-                maxima.append(top)
-                sums.append(weights.sum(-1, keepdim=True))
-                outs.append(torch.bmm(weights.to(v.dtype), v.reshape(n, -1, Dv)).float())
-            top, total, partial = (torch.cat(x) for x in (maxima, sums, outs))
-            rescale = (top - top.amax(0)).exp()
-            out[b, h] = (partial * rescale).sum(0) / (total * rescale).sum(0)
-    return out.view(B, H, 1, Dv).transpose(1, 2), None
-
-
-AttentionInterface.register(SPLIT_DECODE, split_decode_attention)
 
 
 class SoftmaxAttentionConfig:

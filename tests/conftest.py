@@ -225,3 +225,65 @@ def linearize_main(capfd, monkeypatch):
 
     yield run
     hf_logging.enable_progress_bar()
+
+
+# --- the user's side: code run as a user would run it (tests/cli/test_user_path.py, tests/convert/test_export.py) ---
+import re  # noqa: E402
+import textwrap  # noqa: E402
+
+import yaml  # noqa: E402
+
+BLOCK_LINEARIZE = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in ("linearize", "triton"):
+                raise ImportError(f"{name} is blocked in this test")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    """
+)
+PROMPT = "Do you wish to run the custom code"
+
+
+def clean_env(home: Path) -> dict[str, str]:
+    """A user's environment: no linearize on the path, nothing cached, no hub."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "HF_HOME": str(home / "hf"),
+        "HF_MODULES_CACHE": str(home / "hf_modules"),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def run_isolated(code: str, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run `code` as a user would, with linearize unimportable and standard input closed (a prompt would fail)."""
+    script = cwd / "user_script.py"
+    script.write_text(BLOCK_LINEARIZE + code)
+    return subprocess.run(
+        [sys.executable, "-I", str(script), *args],
+        cwd=cwd,
+        env=clean_env(cwd),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def front_matter(card: str) -> dict:
+    match = re.match(r"^---\n(.*?)\n---\n", card, re.DOTALL)
+    assert match, "no front matter"
+    return yaml.safe_load(match.group(1))
+
+
+def snippet(card: str) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", card, re.DOTALL)
+    assert len(blocks) == 1, "the card has one usage snippet"
+    return blocks[0]

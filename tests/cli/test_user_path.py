@@ -8,13 +8,11 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from conftest import make_tiny_linearize
+from conftest import PROMPT, front_matter, make_tiny_linearize, run_isolated, snippet
 
 from linearize.convert.card import markers, model_card, teacher_facts, update_section
 from linearize.convert.export import export
@@ -26,50 +24,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-BLOCK_LINEARIZE = textwrap.dedent(
-    """
-    import importlib.abc, sys
-
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.partition(".")[0] in ("linearize", "triton"):
-                raise ImportError(f"{name} is blocked in this test")
-            return None
-
-    sys.meta_path.insert(0, Block())
-    """
-)
-PROMPT = "Do you wish to run the custom code"
-
-
-def clean_env(home: Path) -> dict[str, str]:
-    """A user's environment: no linearize on the path, nothing cached, no hub."""
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(home),
-        "HF_HOME": str(home / "hf"),
-        "HF_MODULES_CACHE": str(home / "hf_modules"),
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-    }
-
-
-def run_isolated(code: str, cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run `code` as a user would, with linearize unimportable and standard input closed (a prompt would fail)."""
-    script = cwd / "user_script.py"
-    script.write_text(BLOCK_LINEARIZE + code)
-    return subprocess.run(
-        [sys.executable, "-I", str(script), *args],
-        cwd=cwd,
-        env=clean_env(cwd),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory):
     """A tiny GLA 2:1 export with a chat-template tokenizer: (student, tokenizer, folder)."""
@@ -150,18 +104,6 @@ def test_export_auto_map_names_the_backbone(tiny_export):
         "AutoModel": "modeling_linearize.LinearizeModel",
         "AutoModelForCausalLM": "modeling_linearize.LinearizeForCausalLM",
     }
-
-
-def front_matter(card: str) -> dict:
-    match = re.match(r"^---\n(.*?)\n---\n", card, re.DOTALL)
-    assert match, "no front matter"
-    return yaml.safe_load(match.group(1))
-
-
-def snippet(card: str) -> str:
-    blocks = re.findall(r"```python\n(.*?)```", card, re.DOTALL)
-    assert len(blocks) == 1, "the card has one usage snippet"
-    return blocks[0]
 
 
 def test_model_card_snippet_runs_as_written(tiny_export, tmp_path):

@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM
 
 from linearize.convert.budget import weight_bytes
 from linearize.convert.export import AUTO_MAP, export
-from linearize.modeling.modeling_linearize import LinearAttention, lay_out_for_cpu_decode
+from linearize.modeling.cpu_layout_linearize import lay_out_for_cpu_decode
+from linearize.modeling.modeling_linearize import LinearAttention
 from linearize.convert.swap import linearize_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -346,7 +347,7 @@ def test_convert_does_not_import_eval():
 def test_real_export_card_snippet_generates(real_export, tmp_path):
     """The card of a real instruct export, its snippet copied as it stands: a chat reply, with no prompt, no
     linearize and standard input closed."""
-    from test_user_path import PROMPT, front_matter, run_isolated, snippet
+    from conftest import PROMPT, front_matter, run_isolated, snippet
 
     _, tokenizer, student, folder = real_export
     card = (folder / "README.md").read_text()

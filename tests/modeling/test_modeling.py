@@ -34,17 +34,16 @@ from linearize.convert.swap import check_supported, linearize_model
 from linearize.modeling.configuration_linearize import STATES, LinearizeConfig
 from transformers.models.llama.modeling_llama import repeat_kv
 
+import linearize.modeling.cpu_layout_linearize as cpu_layout_linearize
+import linearize.modeling.decoding_linearize as decoding_linearize
 import linearize.modeling.modeling_linearize as modeling_linearize
+from linearize.modeling.cpu_layout_linearize import GateUpMLP, SplitGemvLinear, still_fused
+from linearize.modeling.decoding_linearize import ReservedDynamicLayer, split_decode_attention
 from linearize.modeling.modeling_linearize import (
-    GateUpMLP,
     HedgehogFeatureMap,
     LinearAttention,
     LinearizeForCausalLM,
-    ReservedDynamicLayer,
     SoftmaxAttentionConfig,
-    SplitGemvLinear,
-    split_decode_attention,
-    still_fused,
     TaylorFeatureMap,
     transfer_mse,
 )
@@ -710,7 +709,7 @@ def test_a_step_written_in_place_runs_in_inference_mode_and_leaves_ordinary_tens
     """An eager decoding step whose cache is only written in place (`_gla_step` in every linear layer, the
     softmax rooms made) runs under inference mode; the cache and the outputs stay ordinary tensors, so a
     later prompt outside inference mode continues the same cache. Other steps run as called."""
-    monkeypatch.setattr(modeling_linearize, "RESERVE_MIN", 1)  # the softmax room grows during the steps
+    monkeypatch.setattr(decoding_linearize, "RESERVE_MIN", 1)  # the softmax room grows during the steps
     model = make_model([LIN, FULL, LIN], {**settings, "chunk_size": 16}, seed=3)
     modes = []
     model.linear_attentions[0].register_forward_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
@@ -789,18 +788,18 @@ def test_the_split_gemv_equals_the_linear_layer(rows, bias, monkeypatch):
     torch.manual_seed(0)
     plain = torch.nn.Linear(48, 20, bias=bias)
     split = copy.deepcopy(plain)
-    monkeypatch.setattr(modeling_linearize, "SPLIT_GEMV_MIN", 0)
+    monkeypatch.setattr(cpu_layout_linearize, "SPLIT_GEMV_MIN", 0)
     subclass = type("QuantizedLinear", (torch.nn.Linear,), {})(48, 20)  # owns its layout: left alone
-    modeling_linearize.lay_out_for_cpu_decode(torch.nn.Sequential(split, subclass), column_major=True)
+    cpu_layout_linearize.lay_out_for_cpu_decode(torch.nn.Sequential(split, subclass), column_major=True)
     assert type(split) is SplitGemvLinear and split.weight.t().is_contiguous() and torch.equal(split.weight, plain.weight)
     assert type(subclass).__name__ == "QuantizedLinear" and subclass.weight.is_contiguous()
     x = torch.randn(rows, 1, 48)
     with torch.no_grad():
         torch.testing.assert_close(split(x), plain(x), rtol=1e-5, atol=1e-5)
-    assert len(calls) == (rows <= modeling_linearize.SPLIT_GEMV_ROWS), "the split product runs for decoding-sized batches only"
+    assert len(calls) == (rows <= cpu_layout_linearize.SPLIT_GEMV_ROWS), "the split product runs for decoding-sized batches only"
     x.requires_grad_(True)
     y = split(x)
-    assert len(calls) == (rows <= modeling_linearize.SPLIT_GEMV_ROWS), "autograd takes nn.Linear's path"
+    assert len(calls) == (rows <= cpu_layout_linearize.SPLIT_GEMV_ROWS), "autograd takes nn.Linear's path"
     grads = torch.autograd.grad(y.square().sum(), [x, split.weight])
     want = torch.autograd.grad(plain(x).square().sum(), [x, plain.weight])
     for got, expected in zip(grads, want, strict=True):
@@ -812,7 +811,7 @@ def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tm
     """The first decoding step stores the large weights column-major (values, parameters and the tied
     head unchanged) and decodes through the split GEMV; saving and training see row-major weights."""
     torch.set_num_threads(2)
-    monkeypatch.setattr(modeling_linearize, "SPLIT_GEMV_MIN", 1024)
+    monkeypatch.setattr(cpu_layout_linearize, "SPLIT_GEMV_MIN", 1024)
     model = make_model([LIN, FULL], {"window": 4, "chunk_size": 16}, tie_word_embeddings=True)
     before = {name: p for name, p in model.named_parameters()}
     ids = random_ids(1, PROMPT, seed=11)
@@ -969,13 +968,13 @@ def test_only_an_mlp_computing_the_gated_formula_takes_the_fused_product():
 
     other = copy.deepcopy(mlp)
     other.__class__ = ScaledMLP
-    assert modeling_linearize.gate_up_mlp_class(other) is None
-    gated = modeling_linearize.gate_up_mlp_class(mlp)
+    assert cpu_layout_linearize.gate_up_mlp_class(other) is None
+    gated = cpu_layout_linearize.gate_up_mlp_class(mlp)
     assert gated is not None and issubclass(gated, GateUpMLP) and issubclass(gated, LlamaMLP)
     x = torch.randn(1, 1, mlp.gate_proj.in_features)
     want = mlp(x)
     mlp.__class__ = gated
-    mlp.gate_up_columns = modeling_linearize.fuse_columns((mlp.gate_proj, mlp.up_proj))
+    mlp.gate_up_columns = cpu_layout_linearize.fuse_columns((mlp.gate_proj, mlp.up_proj))
     torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-6)
     mlp.up_proj.weight.data = mlp.up_proj.weight.data.contiguous() * 2  # replaced: the columns are stale
     torch.testing.assert_close(mlp(x), LlamaMLP.forward(mlp, x))
@@ -1018,7 +1017,7 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, kind
     torch.set_num_threads(2)
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(modeling_linearize, "SPLIT_GEMV_MIN", 1024)
+    monkeypatch.setattr(cpu_layout_linearize, "SPLIT_GEMV_MIN", 1024)
     model = make_model(layer_types, {**kind, "window": 4, "sink": 4, "chunk_size": 16}, tie_word_embeddings=True)
     ids = random_ids(1, 3, seed=12)  # the first step fills the last sink: it stays eager (a host sync)
     expected, expected_logits = greedy_by_recomputation(model, ids, NEW)
@@ -1039,7 +1038,7 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, kind
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
     assert large and all(type(m) is SplitGemvLinear and m.weight.is_contiguous() for m in large)
     assert not model.cpu_decode_layout
-    assert any(type(layer) is modeling_linearize.ReservedDynamicLayer for layer in out.cache.layers) == (FULL in layer_types)
+    assert any(type(layer) is decoding_linearize.ReservedDynamicLayer for layer in out.cache.layers) == (FULL in layer_types)
     assert not any(x.is_inference() for x in cache_tensors(out.cache)), "the graph ran in inference mode, writing in place"
     assert getattr(out.cache.layers[0], "linearize_joined", None) is None, "a compiled step reads sinks and ring apart"
 
@@ -1048,13 +1047,13 @@ def test_symbolic_step_sizes_keeps_the_users_dynamic_sources_and_needs_none_from
     """The compiled step runs with STEP_SIZES added to whatever dynamic sources the user set, restored after;
     a torch without `dynamic_sources` gets the step itself (it then compiles as Dynamo decides)."""
     seen = []
-    step = modeling_linearize.symbolic_step_sizes(lambda x: seen.append(torch.compiler.config.dynamic_sources) or x)
+    step = decoding_linearize.symbolic_step_sizes(lambda x: seen.append(torch.compiler.config.dynamic_sources) or x)
     with torch.compiler.config.patch(dynamic_sources="L['mine']"):
         assert step(3) == 3
         assert torch.compiler.config.dynamic_sources == "L['mine']"
-    assert seen == ["L['mine']," + modeling_linearize.STEP_SIZES]
+    assert seen == ["L['mine']," + decoding_linearize.STEP_SIZES]
     monkeypatch.setattr(torch.compiler, "config", types.SimpleNamespace())
-    assert modeling_linearize.symbolic_step_sizes(abs) is abs
+    assert decoding_linearize.symbolic_step_sizes(abs) is abs
 
 
 @torch.no_grad()
@@ -1063,7 +1062,7 @@ def test_compiled_decoding_of_a_padded_batch_through_growing_rooms(monkeypatch):
     past two growths of the reserved room: the eager model's tokens and logits."""
     torch.set_num_threads(2)
     torch._dynamo.reset()
-    monkeypatch.setattr(modeling_linearize, "RESERVE_MIN", 4)
+    monkeypatch.setattr(decoding_linearize, "RESERVE_MIN", 4)
     model = make_model([LIN, FULL, LIN], {"window": 4, "sink": 2, "chunk_size": 16})
     ids = random_ids(2, 9, seed=3)
     mask = torch.ones_like(ids)
@@ -1075,7 +1074,7 @@ def test_compiled_decoding_of_a_padded_batch_through_growing_rooms(monkeypatch):
     for a, b in zip(got.logits, want.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     softmax = got.cache.layers[1]
-    assert type(softmax) is modeling_linearize.ReservedDynamicLayer and softmax.linearize_room[0].shape[-2] > 9 + 4 + 1
+    assert type(softmax) is decoding_linearize.ReservedDynamicLayer and softmax.linearize_room[0].shape[-2] > 9 + 4 + 1
     assert not any(x.is_inference() for x in cache_tensors(got.cache)), "the rooms grew outside inference mode"
 
 
@@ -1114,7 +1113,7 @@ def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(laye
 
     monkeypatch.setattr(post_grad, "reinplace_inplaceable_ops", reinplace_and_record)
     # rope_features off: keys wait in the window unrotated, so a second ring (the payload) is written too.
-    monkeypatch.setattr(modeling_linearize, "RESERVE_MIN", 4)
+    monkeypatch.setattr(decoding_linearize, "RESERVE_MIN", 4)
     model = make_model(layer_types, {"window": 4, "sink": 2, "chunk_size": 16, "rope_features": False})
     cache = DynamicCache(config=model.config)
     ids = random_ids(1, prompt, seed=13)
@@ -1138,7 +1137,7 @@ def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(laye
     assert counters["stats"]["unique_graphs"] == 1
     if FULL in layer_types:
         softmax = cache.layers[1]
-        assert type(softmax) is modeling_linearize.ReservedDynamicLayer and softmax.keys.shape[-2] == ids.shape[1]
+        assert type(softmax) is decoding_linearize.ReservedDynamicLayer and softmax.keys.shape[-2] == ids.shape[1]
         assert softmax.linearize_room[0].shape[-2] > 16, "the room grew"
         assert softmax.keys.untyped_storage().data_ptr() == softmax.linearize_room[0].untyped_storage().data_ptr()
         want = model(ids).logits[:, -1:].argmax(-1)
@@ -1169,8 +1168,8 @@ def test_compiled_split_gemv_fuses_every_one_row_product():
 
 
 def sdpa_calls(monkeypatch) -> list[int]:
-    calls, sdpa = [], modeling_linearize.sdpa_attention_forward
-    monkeypatch.setattr(modeling_linearize, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    calls, sdpa = [], decoding_linearize.sdpa_attention_forward
+    monkeypatch.setattr(decoding_linearize, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
     return calls
 
 
@@ -1179,14 +1178,14 @@ def sdpa_calls(monkeypatch) -> list[int]:
 @torch.no_grad()
 def test_split_decode_attention_equals_sdpa(keys, scaling, monkeypatch):
     """One query over a long GQA cache (keys past the blocks' multiple, a reserved cache's strided view): SDPA's answer."""
-    monkeypatch.setattr(modeling_linearize, "SPLIT_DECODE_MIN_KEYS", 32)
+    monkeypatch.setattr(decoding_linearize, "SPLIT_DECODE_MIN_KEYS", 32)
     torch.manual_seed(0)
     room = torch.randn(2, 2, 2, 64, 8)  # [B, Hkv, k | v, room, D]
     key, value = room[:, :, 0, :keys], room[:, :, 1, :keys]
     query = torch.randn(2, 6, 1, 8)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 3
-    want, _ = modeling_linearize.sdpa_attention_forward(module, query, key, value, None, scaling=scaling)
+    want, _ = decoding_linearize.sdpa_attention_forward(module, query, key, value, None, scaling=scaling)
     calls = sdpa_calls(monkeypatch)
     got, weights = split_decode_attention(module, query, key, value, None, scaling=scaling)
     assert not calls and weights is None
@@ -1208,7 +1207,7 @@ def test_split_decode_attention_compiled_is_one_grouped_product(monkeypatch):
     query = torch.randn(2, 6, 1, 8)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 3
-    want, _ = modeling_linearize.sdpa_attention_forward(module, query, key, value, None, scaling=0.3)
+    want, _ = decoding_linearize.sdpa_attention_forward(module, query, key, value, None, scaling=0.3)
     calls = sdpa_calls(monkeypatch)
     graphs = []
 
@@ -1226,23 +1225,23 @@ def test_split_decode_attention_compiled_is_one_grouped_product(monkeypatch):
 
 @torch.no_grad()
 def test_softmax_layers_see_split_decode_for_sdpa_and_follow_the_model(monkeypatch):
-    monkeypatch.setattr(modeling_linearize, "SPLIT_DECODE_MIN_KEYS", 4)
+    monkeypatch.setattr(decoding_linearize, "SPLIT_DECODE_MIN_KEYS", 4)
     model = make_model([LIN, FULL], {"window": 4, "chunk_size": 16}, attn_implementation="sdpa")
     softmax = model.model.layers[1].self_attn
     assert isinstance(softmax.config, SoftmaxAttentionConfig) and softmax.config.base is model.model.config
     assert model.config._attn_implementation == "sdpa"
-    assert softmax.config._attn_implementation == modeling_linearize.SPLIT_DECODE
+    assert softmax.config._attn_implementation == decoding_linearize.SPLIT_DECODE
     assert softmax.config.hidden_size == model.config.hidden_size
     ids = random_ids(1, PROMPT, seed=11)
     expected, expected_logits = greedy_by_recomputation(model, ids, NEW)
     calls = []
-    split = modeling_linearize.split_decode_attention
-    interface = modeling_linearize.AttentionInterface
-    interface.register(modeling_linearize.SPLIT_DECODE, lambda *a, **k: calls.append(a[1].shape[2]) or split(*a, **k))
+    split = decoding_linearize.split_decode_attention
+    interface = decoding_linearize.AttentionInterface
+    interface.register(decoding_linearize.SPLIT_DECODE, lambda *a, **k: calls.append(a[1].shape[2]) or split(*a, **k))
     try:
         out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     finally:
-        interface.register(modeling_linearize.SPLIT_DECODE, split)
+        interface.register(decoding_linearize.SPLIT_DECODE, split)
     assert out.sequences[0, PROMPT:].tolist() == expected[0].tolist() and calls.count(1) == NEW - 1
     for got, want in zip(out.logits, expected_logits, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
