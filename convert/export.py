@@ -30,6 +30,7 @@ REMOTE_CODE = [
     ("modeling", "configuration_linearize.py"),
     ("modeling", "families.py"),
     ("modeling", "modeling_linearize.py"),
+    ("modeling", "cache_linearize.py"),
     ("modeling", "decoding_linearize.py"),
     ("modeling", "cpu_layout_linearize.py"),
     ("kernels", "ops.py"),

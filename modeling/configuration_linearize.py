@@ -51,7 +51,7 @@ LINEAR_ATTENTION_DEFAULTS: dict[str, Any] = {
     "rope_features": True,
     "seed": 0,  # performer random features are drawn from this seed and saved as a buffer
 }
-# What a linear layer keeps in its `LinearAttentionLayer` cache, by state index. Keys and values of the
+# What a linear layer keeps in its cache layer (`LinearizeCacheLayer`, a transformers `LinearAttentionLayer`), by state index. Keys and values of the
 # sinks and of the window's ring are stored as [B, Hkv, 2, tokens, D]: each a contiguous block, as the
 # decoding step's matmuls read them fastest; what else a token carries until it enters the state
 # (keys before RoPE, the write strength) sits in `window_payload`.

@@ -1,7 +1,5 @@
 """Decoding: what a step of generation needs beyond the general forward, eager and compiled.
 
-- `ReservedDynamicLayer`: the softmax layers' KV cache with room reserved ahead, so a step writes its
-  token in place instead of copying the whole cache (and a compiled step's graph holds no allocation).
 - `split_decode_attention`: one CPU query over a long softmax cache, each KV head's cache read once.
 - `COMPILED_STEP_OPTIONS`, `STEP_SIZES`, `symbolic_step_sizes`: how `LinearizeForCausalLM.compile_decoding`
   compiles the step once for every length.
@@ -16,10 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-RESERVE_MIN = 256  # positions of room a softmax layer's cache reserves at least (ReservedDynamicLayer)
 SPLIT_DECODE_MIN_KEYS = 2048  # shorter softmax caches keep SDPA's own kernel, as fast there
 SPLIT_DECODE_BLOCKS = 8  # key blocks per KV head in split_decode_attention: work for every thread
 SPLIT_DECODE = "linearize_split_decode"  # the name softmax layers see for SDPA (SoftmaxAttentionConfig)
@@ -46,80 +42,7 @@ COMPILED_STEP_OPTIONS = {
 # makes it symbolic only when it changes, so the second step, and a room's first growth, compiled a graph of
 # their own (each 1.5-2 minutes for the default's step on 2 cores from a cold cache). Listed as Dynamo's
 # `dynamic_sources` (regexes over the inputs' sources, `:N` a tensor's dim), they are symbolic from the first.
-STEP_SIZES = r".*\.linearize_seen$,.*\.linearize_filled$,.*\.linearize_room\[[01]\]:2"
-
-
-class ReservedDynamicLayer(DynamicLayer):
-    """transformers' `DynamicLayer` for a softmax layer, appending into reserved room instead of concatenating.
-
-    `DynamicLayer.update` copies the whole cache into a fresh tensor on every token: at 16K tokens of
-    SmolLM2 that is 25 MB written per layer and step, 1.6 ms of a softmax layer's ~7 ms on 2 cores,
-    and the fresh pages fault in besides. Here `keys` / `values` are views of the first n positions
-    of buffers with a quarter more room; a step writes its token in place, and only a full buffer is
-    copied (amortized O(1) per token). Whatever replaces `keys` / `values` from outside (crop, beam
-    reorder, batch selection, offloading) stays the truth: the next update reserves again from it.
-    A compiled decoding step finds its room already made (`reserve_before_graph`, from
-    `LinearizeForCausalLM.forward`) and its length in `linearize_filled`, so its graph holds the
-    in-place write, no allocation, and no view of the cache as an input: only the whole buffers,
-    whose strides follow from their sizes. Their capacity is a symbolic size (STEP_SIZES), so growths
-    reuse the graph: 48 ms per step for the 3:1 student at 16K, against 64 ms when the graph
-    concatenates.
-    """
-
-    def reserve(self, tokens: int, like: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Make room for `tokens` more positions and one spare, shaped and typed as `like` (default: the cache's own).
-
-        The spare keeps the cache a strict prefix of its buffer: a view that filled it would be contiguous,
-        and a compiled graph specialized on the other case would compile again.
-        """
-        room, lent = getattr(self, "linearize_room", None), getattr(self, "linearize_lent", None)
-        filled = super().get_seq_length()
-        needed = filled + tokens
-        if room is None or lent is None or lent[0] is not self.keys or lent[1] is not self.values or needed >= room[0].shape[-2]:
-            capacity = needed + max(RESERVE_MIN, needed // 4)
-            room = tuple(x.new_empty(*x.shape[:-2], capacity, x.shape[-1]) for x in like or (self.keys, self.values))
-            if filled:
-                room[0][..., :filled, :].copy_(self.keys)
-                room[1][..., :filled, :].copy_(self.values)
-            self.linearize_room, self.linearize_lent = room, (self.keys, self.values)
-        self.linearize_filled = filled
-
-    def reserve_before_graph(self) -> None:
-        """Before a compiled decoding step: its token's room, made eagerly, so the graph only writes in place."""
-        self.reserve(1)
-        self.linearize_ready = True
-
-    def _ready(self) -> bool:
-        return torch.compiler.is_compiling() and getattr(self, "linearize_ready", False)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if not self._ready():
-            self.reserve(key_states.shape[-2], (key_states, value_states))
-        room, filled = self.linearize_room, self.linearize_filled
-        needed = filled + key_states.shape[-2]
-        room[0][..., filled:needed, :].copy_(key_states)
-        room[1][..., filled:needed, :].copy_(value_states)
-        self.keys, self.values = room[0][..., :needed, :], room[1][..., :needed, :]
-        self.linearize_lent, self.linearize_filled, self.linearize_ready = (self.keys, self.values), needed, False
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        """In a compiled step, the reserved length: reading `keys` would make its view a graph input."""
-        return self.linearize_filled if self._ready() else super().get_seq_length()
-
-    def reset(self) -> None:
-        self.linearize_room = self.linearize_lent = None
-        self.linearize_ready = False
-        super().reset()
-
-
-def reserve_softmax_layers(cache: Cache) -> None:
-    """Give a cache's unused plain `DynamicLayer`s (softmax layers) the in-place `ReservedDynamicLayer`."""
-    for index, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer and not layer.is_initialized:
-            cache.layers[index] = ReservedDynamicLayer()
+STEP_SIZES = r".*\]\.seen$,.*\]\.filled$,.*\]\.room\[[01]\]:2"
 
 
 def symbolic_step_sizes(step: Callable) -> Callable:

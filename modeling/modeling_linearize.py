@@ -11,7 +11,7 @@ Masks and caches (the decision): the family model builds its masks from the base
 the teacher did; softmax layers use them unchanged. Linear layers do not read those masks. They
 take the 2D padding mask, which `LinearizeForCausalLM.forward` passes down the family's `**kwargs`
 as `linearize_padding_mask`, and they keep their whole cache, softmax window included, in their
-own `LinearAttentionLayer` (`layer_types` says `linear_attention`). To the family's mask builders a
+own `LinearizeCacheLayer` (cache_linearize.py; `layer_types` says `linear_attention`). To the family's mask builders a
 linear layer is therefore never an attention layer: sliding-window softmax layers (Gemma 3,
 Mistral) keep their own window and mask sizes.
 
@@ -43,7 +43,7 @@ if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):  # before the 
 
 from transformers import GenerationMixin, PreTrainedModel  # noqa: E402
 from transformers import initialization as init  # noqa: E402
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin  # noqa: E402
+from transformers.cache_utils import Cache, DynamicCache  # noqa: E402
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
 from transformers.utils.import_utils import is_torch_greater_or_equal  # noqa: E402
 
@@ -69,13 +69,16 @@ from ..kernels.window_torch import (  # noqa: E402
 )
 from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
 from .cpu_layout_linearize import columns_serve, fusable, fuse_columns, lay_out_for_cpu_decode, split_gemv, still_fused  # noqa: E402
-from .decoding_linearize import (  # noqa: E402
-    COMPILED_STEP_OPTIONS,
-    SPLIT_DECODE,
+from .cache_linearize import (  # noqa: E402
+    LinearizeCacheLayer,
     ReservedDynamicLayer,
-    reserve_softmax_layers,
-    symbolic_step_sizes,
+    adopt_layers,
+    has_state,
+    part_window,
+    record_seen,
+    tokens_seen,
 )
+from .decoding_linearize import COMPILED_STEP_OPTIONS, SPLIT_DECODE, symbolic_step_sizes  # noqa: E402
 from .families import Family, family_of  # noqa: E402
 
 Derived = TypeVar("Derived")
@@ -263,52 +266,12 @@ def key_gate(k: torch.Tensor) -> torch.Tensor:
     return F.logsigmoid(12.0 - norm) / 16.0
 
 
-def tokens_seen(layer: LinearAttentionCacheLayerMixin | None) -> int:
-    """Tokens (padding included) a linear layer's cache has taken in: the same for every row.
-
-    A Python int on the cache layer (`linearize_seen`), so positions never need a host sync. It
-    counts only while the layer `has_previous_state` (its memory slot's flag, which the layer sets
-    after each step and `cache.reset()` clears): a reset cache starts again at position 0.
-    """
-    return getattr(layer, "linearize_seen", 0) if has_state(layer) else 0
-
-
-def record_seen(layer: LinearAttentionCacheLayerMixin, seen: int) -> None:
-    """Set a linear layer's token count: `linearize_seen`, and the layer's own count where it keeps one.
-
-    From transformers 5.25 a `LinearAttentionLayer` answers `cache.get_seq_length()` from
-    `cumulative_length_linear`, which only its convolution-state updates advance (this module keeps
-    every state through `update_recurrent_state`), and the families' positions start from that answer.
-    """
-    layer.linearize_seen = seen
-    count = getattr(layer, "cumulative_length_linear", None)
-    if count is not None:
-        count.fill_(seen)
-
-
 def ring_slot(position: int, window: int, device: torch.device) -> slice | torch.Tensor:
     """Where a decoding step's token goes in a ring of `window` slots: eager, a slice; in a compiled graph, a
     one-element index, as a slice at a symbolic offset makes inductor guard on that offset being 0 (reinplace's
     overlap check), and the graph would compile again the first time the ring wraps to slot 0."""
     slot = position % window
     return torch.full((1,), slot, device=device) if torch.compiler.is_compiling() else slice(slot, slot + 1)
-
-
-def part_window(layer: LinearAttentionCacheLayerMixin) -> None:
-    """Undo `LinearAttention.join_window` before a compiled step: sinks, ring and validity each their own tensor.
-
-    The graph reads them apart, and writes each slot through a one-element index (`_gla_step`);
-    inductor writes such an index into a tensor in place, but into a view of a larger tensor
-    only by rewriting the whole view every token.
-    """
-    for name in ("sink_kv", "window_kv", "window_valid"):
-        layer.recurrent_states[STATES[name]] = layer.recurrent_states[STATES[name]].clone()
-    layer.linearize_joined = None
-
-
-def has_state(layer: LinearAttentionCacheLayerMixin | None) -> bool:
-    """Whether a linear layer's cache holds a step (not fresh, not reset)."""
-    return layer is not None and layer.has_previous_state[STATES["memory"]]
 
 
 def transfer_mse(out: torch.Tensor, teacher: torch.Tensor, late_weight: float = 0.0) -> torch.Tensor:
@@ -721,7 +684,7 @@ class LinearAttention(nn.Module):
             return False
         if self._state(cache, "memory") is None or self._state(cache, "window_kv") is None:
             return False
-        return not self.sink or getattr(layer, "linearize_last_sink", None) is not None
+        return not self.sink or layer.last_sink is not None
 
     def _gla_step(self, hidden_states, q, k, v, q_feat, k_feat, padding, layer, cache, start, low_rank=None):
         """One decoding token of a GLA layer whose window runs: what `_attend` computes, with nothing cloned.
@@ -731,7 +694,7 @@ class LinearAttention(nn.Module):
         leaves the ring enters the state (updated in place) before the new token takes its slot, its
         value read where it lies (a padding token adds nothing: its key features are zeroed), and the
         sinks are read as cached. Eager, when the token and every token in the ring are real (no padding
-        since `linearize_valid_since`, set by `LinearizeForCausalLM.forward`), no validity is read or written.
+        since `valid_since`, set by `LinearizeForCausalLM.forward`), no validity is read or written.
         While sinks are still inside the window (a prompt shorter than sinks + window), the ring holds them
         too: their own copies stay hidden until they leave it, and a sink leaving the ring does not enter
         the state. A compiled step always applies these masks (all true later), so one graph serves both.
@@ -741,11 +704,11 @@ class LinearAttention(nn.Module):
         unrotated = self._state(cache, "window_payload") if k_feat is not k else None
         compiling = torch.compiler.is_compiling()
         all_valid = (  # not in a compiled graph: guards on the position would recompile it
-            padding is None and not compiling and start - self.window >= getattr(layer, "linearize_valid_since", 0)
+            padding is None and not compiling and start - self.window >= layer.valid_since
         )
         keep = None if all_valid else ring_valid[:, None, here, None]  # the leaving token is real (not padding)
         visible = None  # [B, S]: which sinks the query sees (None: all)
-        if self.sink and (compiling or layer.linearize_last_sink >= start - self.window):
+        if self.sink and (compiling or layer.last_sink >= start - self.window):
             sink_positions, position = self._state(cache, "sink_positions"), torch.full((1,), start, device=q.device)
             visible = sink_visibility(sink_positions, position, self.window)[:, 0, 0, 0]
             not_sink = ~sink_leaving(sink_positions, position, self.window)[:, None, :, None]
@@ -801,7 +764,7 @@ class LinearAttention(nn.Module):
         Called where the states were stored (the general path), so decoding steps keep their addresses.
         """
         if (
-            getattr(layer, "linearize_last_sink", None) is None
+            layer.last_sink is None
             or torch.is_grad_enabled()
             or torch.compiler.is_compiling()
             or self._joined_window(layer, cache) is not None
@@ -814,12 +777,12 @@ class LinearAttention(nn.Module):
         layer.recurrent_states[STATES["sink_kv"]] = kv[:, :, :, : self.sink]
         layer.recurrent_states[STATES["window_kv"]] = kv[:, :, :, self.sink :]
         layer.recurrent_states[STATES["window_valid"]] = valid[:, self.sink :]
-        layer.linearize_joined = (kv, valid)
+        layer.joined = (kv, valid)
 
     def _joined_window(self, layer, cache: Cache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The sinks and ring as `join_window` laid them out, if the cached states are still its views;
         never inside a compiled step (its graph reads the states as they are)."""
-        joined = getattr(layer, "linearize_joined", None)
+        joined = layer.joined
         if joined is None or torch.compiler.is_compiling():
             return None
         kv, valid = joined
@@ -851,7 +814,7 @@ class LinearAttention(nn.Module):
         step = ring is not None and T == 1 and not torch.is_grad_enabled()
         # Every sink full and older than the oldest token leaving the window: all visible, none entering. A
         # compiled step applies the masks anyway (then all true): a test of the position would split its graph.
-        last_sink = getattr(layer, "linearize_last_sink", None)
+        last_sink = None if layer is None else layer.last_sink
         sinks_behind = not (step and torch.compiler.is_compiling()) and last_sink is not None and last_sink < start - W
         # A decoding step past the sinks needs no positions: it neither fills nor masks them.
         positions = None if step and sinks_behind else torch.arange(start, start + T, device=q.device)
@@ -974,20 +937,20 @@ class LinearAttention(nn.Module):
     def _update_sinks(self, cache: Cache | None, k, v, positions, valid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sinks after these tokens. Once every row's are full they stay as cached, with no work.
 
-        The cache layer then records the last sink's position (`linearize_last_sink`, a Python int
+        The cache layer then records the last sink's position (`last_sink`, a Python int
         read from the tensors while they fill: a host sync only then), so a decoding step neither
         waits on the device for it nor checks later tokens against the sinks.
         """
         layer = None if cache is None else cache.layers[self.layer_idx]
         kv, positions_kept = self._state(cache, "sink_kv"), self._state(cache, "sink_positions")
         sinks = None if kv is None else (kv[:, :, 0], kv[:, :, 1], positions_kept)
-        if sinks is not None and getattr(layer, "linearize_last_sink", None) is not None:
+        if sinks is not None and layer.last_sink is not None:
             return sinks
         sinks = update_sinks(sinks, k, v, positions, valid, self.sink)
         if layer is not None:
             self._store(cache, "sink_kv", torch.stack(sinks[:2], dim=2))
             self._store(cache, "sink_positions", sinks[2])
-            layer.linearize_last_sink = int(sinks[2].max()) if bool((sinks[2] >= 0).all()) else None
+            layer.last_sink = int(sinks[2].max()) if bool((sinks[2] >= 0).all()) else None
         return sinks
 
 
@@ -1162,10 +1125,13 @@ class LinearizePreTrainedModel(PreTrainedModel):
 
     def _hybrid_cache(self, cache: Cache | None, use_cache: bool | None) -> Cache | None:
         """The cache a forward runs with: a new `DynamicCache` of this config's layer types when one is asked
-        for and none is given (its linear layers hold states), or the given one, checked."""
+        for and none is given (its linear layers hold states), or the given one; its fresh layers take this
+        model's cache-layer classes (`cache_linearize.adopt_layers`), then it is checked."""
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        if isinstance(cache, Cache):
+            adopt_layers(cache)
         self._check_cache(cache)
         return cache
 
@@ -1174,7 +1140,7 @@ class LinearizePreTrainedModel(PreTrainedModel):
 
         On a CPU without autograd, a mask whose new tokens are all real is dropped (reading it is no
         sync there), and the layers treat every token as real. Otherwise each linear layer's cache
-        records that real tokens start after these (`linearize_valid_since`): until the window has
+        records that real tokens start after these (`valid_since`): until the window has
         moved past them, `LinearAttention._gla_step` reads and writes the ring's validity.
         """
         if cache is None or attention_mask is None or attention_mask.ndim != 2 or embeds is None:
@@ -1185,7 +1151,7 @@ class LinearizePreTrainedModel(PreTrainedModel):
             return
         for attention in self.linear_attentions:
             layer = cache.layers[attention.layer_idx]
-            layer.linearize_valid_since = tokens_seen(layer) + tokens
+            layer.valid_since = tokens_seen(layer) + tokens
 
     def _hybrid_inputs(self, embeds, attention_mask, position_ids, cache, kwargs: dict):
         """The family forward's mask and positions, with the 2D padding mask passed on to the linear layers.
@@ -1217,7 +1183,7 @@ class LinearizePreTrainedModel(PreTrainedModel):
             return
         kinds = self.config.layer_types
         if not isinstance(cache, Cache) or len(cache.layers) != len(kinds) or any(
-            (kind == LINEAR) != isinstance(layer, LinearAttentionCacheLayerMixin) for kind, layer in zip(kinds, cache.layers)
+            (kind == LINEAR) != isinstance(layer, LinearizeCacheLayer) for kind, layer in zip(kinds, cache.layers)
         ):
             raise ValueError("this model's cache holds linear states: build it with DynamicCache(config=model.config)")
 
@@ -1295,8 +1261,6 @@ class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
         """
         use_cache = self.config.use_cache if use_cache is None else use_cache
         cache = self._hybrid_cache(cache, use_cache)
-        if cache is not None:
-            reserve_softmax_layers(cache)
         embeds = inputs_embeds if inputs_embeds is not None else input_ids
         step = embeds is not None and embeds.shape[1] == 1 and not self.training and not torch.is_grad_enabled()
         forward, in_place = self._forward, False
@@ -1306,7 +1270,7 @@ class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
             for layer in cache.layers:
                 if isinstance(layer, ReservedDynamicLayer) and layer.is_initialized:
                     layer.reserve_before_graph()
-                elif getattr(layer, "linearize_joined", None) is not None:
+                elif isinstance(layer, LinearizeCacheLayer) and layer.joined is not None:
                     part_window(layer)
             in_place = self._step_writes_in_place(cache)
         elif step:
@@ -1345,7 +1309,7 @@ class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
             if not attention._steps_in_place(layer, cache, tokens_seen(layer)):
                 return False
         return all(
-            isinstance(layer, LinearAttentionCacheLayerMixin) or (isinstance(layer, ReservedDynamicLayer) and layer.is_initialized)
+            isinstance(layer, LinearizeCacheLayer) or (isinstance(layer, ReservedDynamicLayer) and layer.is_initialized)
             for layer in cache.layers
         )
 
@@ -1408,16 +1372,16 @@ class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
 
     def _settled(self, cache: Cache) -> bool:
         """Whether every linear layer's next step is free of host syncs: each holds a state, and its sinks,
-        if it keeps any, are full (`linearize_last_sink` is known). Until then steps stay eager, as a sync
+        if it keeps any, are full (`last_sink` is known). Until then steps stay eager, as a sync
         inside the compiled step would break its graph (and recompile it per layer)."""
         return all(
             has_state(layer)
             and not (
                 layer.is_recurrent_states_initialized[STATES["sink_kv"]]
-                and getattr(layer, "linearize_last_sink", None) is None
+                and layer.last_sink is None
             )
             for layer in cache.layers
-            if isinstance(layer, LinearAttentionCacheLayerMixin)
+            if isinstance(layer, LinearizeCacheLayer)
         )
 
     def generate(self, *args, **kwargs):

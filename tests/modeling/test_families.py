@@ -33,7 +33,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
-from transformers.cache_utils import LinearAttentionLayer
+from linearize.modeling.cache_linearize import LinearizeCacheLayer
 
 from linearize.convert.export import export
 from linearize.convert.budget import weight_bytes
@@ -225,7 +225,7 @@ def test_linear_state_stays_constant(name):
     for new in (5, 60):
         out = student.generate(ids_of(1, 9), max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True)
         layers = out.cache.layers
-        assert type(layers[0]) is LinearAttentionLayer and type(layers[2]) is LinearAttentionLayer
+        assert type(layers[0]) is LinearizeCacheLayer and type(layers[2]) is LinearizeCacheLayer
         sizes.append(sum(t.numel() for t in layers[0].recurrent_states.values() if t is not None))
         assert layers[3].keys.shape[2] == 9 + new - 1  # a full softmax layer's KV grows
     assert sizes[0] == sizes[1] > 0

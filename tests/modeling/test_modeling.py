@@ -27,18 +27,19 @@ from transformers import (
 from transformers.cache_utils import (
     DynamicCache,
     DynamicLayer,
-    LinearAttentionLayer,
 )
 
 from linearize.convert.swap import check_supported, linearize_model
 from linearize.modeling.configuration_linearize import STATES, LinearizeConfig
 from transformers.models.llama.modeling_llama import repeat_kv
 
+import linearize.modeling.cache_linearize as cache_linearize
 import linearize.modeling.cpu_layout_linearize as cpu_layout_linearize
 import linearize.modeling.decoding_linearize as decoding_linearize
 import linearize.modeling.modeling_linearize as modeling_linearize
 from linearize.modeling.cpu_layout_linearize import GateUpMLP, SplitGemvLinear, still_fused
-from linearize.modeling.decoding_linearize import ReservedDynamicLayer, split_decode_attention
+from linearize.modeling.cache_linearize import LinearizeCacheLayer, ReservedDynamicLayer
+from linearize.modeling.decoding_linearize import split_decode_attention
 from linearize.modeling.modeling_linearize import (
     HedgehogFeatureMap,
     LinearAttention,
@@ -558,13 +559,13 @@ def test_cache_does_not_grow(kind):
         caches[n] = out.cache
     short, long = caches[10].layers, caches[1000].layers
     # layer 0: linear -> a fixed-size state, no KV at all
-    assert type(long[0]) is LinearAttentionLayer
+    assert type(long[0]) is LinearizeCacheLayer
     assert recurrent_bytes(short[0]) == recurrent_bytes(long[0]) > 0
     assert kv_bytes(short[0]) == kv_bytes(long[0]) == 0
     if kind == "performer":  # the key stabilizer is the second state
         assert all(isinstance(long[0].recurrent_states[i], torch.Tensor) for i in (0, 1))
     # layer 1: the same fixed state, the window's last `window` keys/values among its states
-    assert type(long[1]) is LinearAttentionLayer
+    assert type(long[1]) is LinearizeCacheLayer
     assert recurrent_bytes(short[1]) == recurrent_bytes(long[1])
     window_kv = long[1].recurrent_states[STATES["window_kv"]]
     assert window_kv.shape[2:4] == (2, window)
@@ -709,7 +710,7 @@ def test_a_step_written_in_place_runs_in_inference_mode_and_leaves_ordinary_tens
     """An eager decoding step whose cache is only written in place (`_gla_step` in every linear layer, the
     softmax rooms made) runs under inference mode; the cache and the outputs stay ordinary tensors, so a
     later prompt outside inference mode continues the same cache. Other steps run as called."""
-    monkeypatch.setattr(decoding_linearize, "RESERVE_MIN", 1)  # the softmax room grows during the steps
+    monkeypatch.setattr(cache_linearize, "RESERVE_MIN", 1)  # the softmax room grows during the steps
     model = make_model([LIN, FULL, LIN], {**settings, "chunk_size": 16}, seed=3)
     modes = []
     model.linear_attentions[0].register_forward_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
@@ -1038,9 +1039,9 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, kind
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
     assert large and all(type(m) is SplitGemvLinear and m.weight.is_contiguous() for m in large)
     assert not model.cpu_decode_layout
-    assert any(type(layer) is decoding_linearize.ReservedDynamicLayer for layer in out.cache.layers) == (FULL in layer_types)
+    assert any(type(layer) is cache_linearize.ReservedDynamicLayer for layer in out.cache.layers) == (FULL in layer_types)
     assert not any(x.is_inference() for x in cache_tensors(out.cache)), "the graph ran in inference mode, writing in place"
-    assert getattr(out.cache.layers[0], "linearize_joined", None) is None, "a compiled step reads sinks and ring apart"
+    assert out.cache.layers[0].joined is None, "a compiled step reads sinks and ring apart"
 
 
 def test_symbolic_step_sizes_keeps_the_users_dynamic_sources_and_needs_none_from_an_older_torch(monkeypatch):
@@ -1062,7 +1063,7 @@ def test_compiled_decoding_of_a_padded_batch_through_growing_rooms(monkeypatch):
     past two growths of the reserved room: the eager model's tokens and logits."""
     torch.set_num_threads(2)
     torch._dynamo.reset()
-    monkeypatch.setattr(decoding_linearize, "RESERVE_MIN", 4)
+    monkeypatch.setattr(cache_linearize, "RESERVE_MIN", 4)
     model = make_model([LIN, FULL, LIN], {"window": 4, "sink": 2, "chunk_size": 16})
     ids = random_ids(2, 9, seed=3)
     mask = torch.ones_like(ids)
@@ -1074,7 +1075,7 @@ def test_compiled_decoding_of_a_padded_batch_through_growing_rooms(monkeypatch):
     for a, b in zip(got.logits, want.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     softmax = got.cache.layers[1]
-    assert type(softmax) is decoding_linearize.ReservedDynamicLayer and softmax.linearize_room[0].shape[-2] > 9 + 4 + 1
+    assert type(softmax) is cache_linearize.ReservedDynamicLayer and softmax.room[0].shape[-2] > 9 + 4 + 1
     assert not any(x.is_inference() for x in cache_tensors(got.cache)), "the rooms grew outside inference mode"
 
 
@@ -1113,7 +1114,7 @@ def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(laye
 
     monkeypatch.setattr(post_grad, "reinplace_inplaceable_ops", reinplace_and_record)
     # rope_features off: keys wait in the window unrotated, so a second ring (the payload) is written too.
-    monkeypatch.setattr(decoding_linearize, "RESERVE_MIN", 4)
+    monkeypatch.setattr(cache_linearize, "RESERVE_MIN", 4)
     model = make_model(layer_types, {"window": 4, "sink": 2, "chunk_size": 16, "rope_features": False})
     cache = DynamicCache(config=model.config)
     ids = random_ids(1, prompt, seed=13)
@@ -1137,9 +1138,9 @@ def test_the_compiled_step_fuses_its_products_and_writes_the_rings_in_place(laye
     assert counters["stats"]["unique_graphs"] == 1
     if FULL in layer_types:
         softmax = cache.layers[1]
-        assert type(softmax) is decoding_linearize.ReservedDynamicLayer and softmax.keys.shape[-2] == ids.shape[1]
-        assert softmax.linearize_room[0].shape[-2] > 16, "the room grew"
-        assert softmax.keys.untyped_storage().data_ptr() == softmax.linearize_room[0].untyped_storage().data_ptr()
+        assert type(softmax) is cache_linearize.ReservedDynamicLayer and softmax.keys.shape[-2] == ids.shape[1]
+        assert softmax.room[0].shape[-2] > 16, "the room grew"
+        assert softmax.keys.untyped_storage().data_ptr() == softmax.room[0].untyped_storage().data_ptr()
         want = model(ids).logits[:, -1:].argmax(-1)
         assert torch.equal(token, want)
     else:
