@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +67,7 @@ from ..kernels.window_torch import (  # noqa: E402
     window_step_terms,
 )
 from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
-from .cpu_layout_linearize import columns_serve, fusable, fuse_columns, lay_out_for_cpu_decode, split_gemv, still_fused  # noqa: E402
+from .cpu_layout_linearize import FusedProjections, lay_out_for_cpu_decode, split_gemv  # noqa: E402
 from .cache_linearize import (  # noqa: E402
     LinearizeCacheLayer,
     ReservedDynamicLayer,
@@ -78,10 +77,9 @@ from .cache_linearize import (  # noqa: E402
     record_seen,
     tokens_seen,
 )
-from .decoding_linearize import COMPILED_STEP_OPTIONS, SPLIT_DECODE, symbolic_step_sizes  # noqa: E402
+from .decoding_linearize import COMPILED_STEP_OPTIONS, SPLIT_DECODE, GLAStep, derived, ring_slot, symbolic_step_sizes  # noqa: E402
 from .families import Family, family_of  # noqa: E402
 
-Derived = TypeVar("Derived")
 SDPA_GROUPS = is_torch_greater_or_equal("2.5")  # SDPA's enable_gqa: query groups share their KV head uncopied
 RECURRENT_MAX_TOKENS = 16  # at most this many new tokens with a state: step the recurrence instead of chunking
 # The normalized delta rule's erase strength b_t starts here: near 0 the layer is GLA; at 0.05 the
@@ -91,26 +89,6 @@ RECURRENT_MAX_TOKENS = 16  # at most this many new tokens with a state: step the
 ERASE_INIT = 0.05
 ERASE_FLOOR = 1e-6
 PADDING_KWARG = "linearize_padding_mask"  # how the 2D padding mask reaches the linear layers
-
-
-def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make: Callable[[], Derived]) -> Derived:
-    """`make()`, kept on `owner` as `name` until a source is replaced or changed in place: a fixed transform of
-    parameters that an eager decoding step would otherwise recompute, one op per layer and token each.
-
-    The cache keeps the sources' storage alive, so a replacement cannot reuse its address unnoticed. What is
-    made with autograd on (it must carry gradients), inside a compiled graph (which must not write the module)
-    or from inference tensors (weights loaded under `torch.inference_mode`, as accelerate's offload hooks do:
-    they keep no version) is made each call.
-    """
-    if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(t.is_inference() for t in sources):
-        return make()
-    key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
-    cached = owner.__dict__.get(name)
-    if cached is None or cached[0] != key:
-        with torch.no_grad():
-            cached = (key, tuple(t.detach() for t in sources), make())
-        owner.__dict__[name] = cached
-    return cached[2]
 
 
 class HedgehogFeatureMap(nn.Module):
@@ -266,14 +244,6 @@ def key_gate(k: torch.Tensor) -> torch.Tensor:
     return F.logsigmoid(12.0 - norm) / 16.0
 
 
-def ring_slot(position: int, window: int, device: torch.device) -> slice | torch.Tensor:
-    """Where a decoding step's token goes in a ring of `window` slots: eager, a slice; in a compiled graph, a
-    one-element index, as a slice at a symbolic offset makes inductor guard on that offset being 0 (reinplace's
-    overlap check), and the graph would compile again the first time the ring wraps to slot 0."""
-    slot = position % window
-    return torch.full((1,), slot, device=device) if torch.compiler.is_compiling() else slice(slot, slot + 1)
-
-
 def transfer_mse(out: torch.Tensor, teacher: torch.Tensor, late_weight: float = 0.0) -> torch.Tensor:
     """Attention transfer's MSE over [B, T, hidden]; with `late_weight` w, position t of T weighs 1 + w * t / T.
 
@@ -287,7 +257,7 @@ def transfer_mse(out: torch.Tensor, teacher: torch.Tensor, late_weight: float = 
     return (per_position * weight).sum() / weight.sum()
 
 
-class LinearAttention(nn.Module):
+class LinearAttention(GLAStep, FusedProjections, nn.Module):
     """Linear attention on the teacher's projections: GLA or Performer, optionally with a softmax window.
 
     o_t = phi(q_t)^T S_t (/ phi(q_t)^T z_t), S_t = diag(a_t) S_{t-1} + phi(k_t) v_t^T. With a window
@@ -441,36 +411,6 @@ class LinearAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), low_rank
 
-    def lay_out_projections(self, fused: bool) -> None:
-        """With `fused`, q/k/v_proj's weights become column slices of one column-major [in, q + k + v] tensor,
-        `qkv_columns`, so an eager CPU decoding step projects with one split GEMV instead of three: 1.6 ms
-        off a 46 ms 3:1 step at 1K on 2 cores (each GEMV also pays to wake the threads). The low-rank gate's
-        first projection reads the same input, so it joins as further columns (`fused_parts` lists them all).
-        The parameters keep their objects and values (only `.data` changes, as in `lay_out_for_cpu_decode`,
-        which also gives each its own row-major tensor back). Only plain linears on the CPU fuse."""
-        self.qkv_columns, self.fused_parts = None, ()
-        if not fused or self.family.qkv != "separate":
-            return
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        if not fusable(parts) or len({proj.bias is None for proj in parts}) != 1:
-            return
-        gate = getattr(self, "gate", None)
-        if isinstance(gate, LowRankGate) and gate.down.bias is None and fusable((*parts, gate.down)):
-            parts = (*parts, gate.down)
-        self.qkv_columns, self.fused_parts = fuse_columns(parts), parts
-
-    def _fused_columns(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """`qkv_columns` where `project` can use it (an eager step of few rows without autograd), else None.
-        Once the parameters are no longer its slices (a `.to()` or a load replaced their tensors) it is stale,
-        and dropped."""
-        columns = self.qkv_columns
-        if columns is None or not columns_serve(columns, self.fused_parts, hidden_states):
-            return None
-        if not still_fused(columns, self.fused_parts):
-            self.qkv_columns, self.fused_parts = None, ()
-            return None
-        return columns
-
     def _query_features(self, q: torch.Tensor) -> torch.Tensor:
         """phi(q) [B, H, T, F]; Performer returns its logits (the stabilizer is applied later)."""
         if self.map_name in ("hedgehog", "taylor"):
@@ -491,20 +431,6 @@ class LinearAttention(nn.Module):
         if self.map_name == "performer":
             return performer_logits(k, self.performer_projection)
         return k
-
-    def _step_features(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """phi(q) and phi(k) of one decoding step (`_gla_step`, no autograd). Eager, Hedgehog's two maps run as one:
-        the query heads and key heads side by side through one product and one softmax, over their signed weights
-        joined once (`derived`), where two maps take twice the ops (each op of a CPU step costs µs)."""
-        maps = (self.feature_map_q, self.feature_map_k) if self.map_name == "hedgehog" else ()
-        sources = tuple(t for m in maps for t in (m.weight, m.bias))
-        # Offloaded maps (accelerate's hooks on each module) hold their weights only inside their own forward.
-        if not maps or torch.compiler.is_compiling() or any(t.device != q.device or t.dtype != q.dtype for t in (k, *sources)):
-            return self._query_features(q), self._key_features(k)
-        weight, bias = derived(
-            self, "_paired_maps_cache", sources, lambda: tuple(torch.cat(pair) for pair in zip(maps[0].signed(), maps[1].signed()))
-        )
-        return hedgehog_step(torch.cat([q, k], dim=1), weight, bias).split([q.shape[1], k.shape[1]], dim=1)
 
     def _decay(self, hidden_states: torch.Tensor, k: torch.Tensor, low_rank: torch.Tensor | None = None) -> torch.Tensor | None:
         """Log-decay per step: [B, Hkv, T, F or 1] from the low-rank gate (given its first projection, `low_rank`,
@@ -665,138 +591,6 @@ class LinearAttention(nn.Module):
         w = derived(self, "_mix_weight_cache", (self.window_factor,), lambda: torch.sigmoid(self.window_factor).view(-1, 1, 1))
         mix = torch.lerp(as_dtype(o, w.dtype), as_dtype(win, w.dtype), w)
         return normalize_output(mix[..., :-1], mix[..., -1:])
-
-    def _has_gla_step(self) -> bool:
-        """Whether this layer's kind and settings have `_gla_step` (GLA, a window, the shared normalizer)."""
-        return (
-            self.kind == "gla"
-            and bool(self.window)
-            and self.normalize
-            and self.map_name != "performer"
-            and not self.conv_size
-            and self.form is None
-        )
-
-    def _steps_in_place(self, layer, cache, start: int) -> bool:
-        """Whether a one-token step can take `_gla_step`: GLA with a window and the shared normalizer,
-        no gradient, a running state and ring, and sinks (if any) full."""
-        if not self._has_gla_step() or torch.is_grad_enabled():
-            return False
-        if self._state(cache, "memory") is None or self._state(cache, "window_kv") is None:
-            return False
-        return not self.sink or layer.last_sink is not None
-
-    def _gla_step(self, hidden_states, q, k, v, q_feat, k_feat, padding, layer, cache, start, low_rank=None):
-        """One decoding token of a GLA layer whose window runs: what `_attend` computes, with nothing cloned.
-
-        On a CPU a decoding step's small ops cost ~10 µs each against ~1 µs of math (measured on 2
-        cores, weights streaming between them), so the step is written for op count: the token that
-        leaves the ring enters the state (updated in place) before the new token takes its slot, its
-        value read where it lies (a padding token adds nothing: its key features are zeroed), and the
-        sinks are read as cached. Eager, when the token and every token in the ring are real (no padding
-        since `valid_since`, set by `LinearizeForCausalLM.forward`), no validity is read or written.
-        While sinks are still inside the window (a prompt shorter than sinks + window), the ring holds them
-        too: their own copies stay hidden until they leave it, and a sink leaving the ring does not enter
-        the state. A compiled step always applies these masks (all true later), so one graph serves both.
-        """
-        here = ring_slot(start, self.window, q.device)
-        ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
-        unrotated = self._state(cache, "window_payload") if k_feat is not k else None
-        compiling = torch.compiler.is_compiling()
-        all_valid = (  # not in a compiled graph: guards on the position would recompile it
-            padding is None and not compiling and start - self.window >= layer.valid_since
-        )
-        keep = None if all_valid else ring_valid[:, None, here, None]  # the leaving token is real (not padding)
-        visible = None  # [B, S]: which sinks the query sees (None: all)
-        if self.sink and (compiling or layer.last_sink >= start - self.window):
-            sink_positions, position = self._state(cache, "sink_positions"), torch.full((1,), start, device=q.device)
-            visible = sink_visibility(sink_positions, position, self.window)[:, 0, 0, 0]
-            not_sink = ~sink_leaving(sink_positions, position, self.window)[:, None, :, None]
-            keep = not_sink if keep is None else keep & not_sink
-        leaving = ring[:, :, 0, here] if unrotated is None else unrotated[:, :, here]
-        g = self._decay(hidden_states, k, low_rank)
-        memory = self._state(cache, "memory")
-        fq, leaving = self._step_features(q_feat, leaving)
-        o, state = gated_linear_attention(
-            fq,
-            leaving if keep is None else leaving * keep,
-            ring[:, :, 1, here],
-            g if g is None or keep is None else g * keep,
-            scale=self.scaling if self.map_name == "identity" else 1.0,
-            normalize=True,
-            divide=False,
-            initial_state=memory,
-            mode="recurrent",
-        )
-        if state is not memory:
-            self._store(cache, "memory", state)
-        ring[:, :, :, here] = torch.stack([k, v], dim=2)
-        if not all_valid:
-            ring_valid[:, here] = True if padding is None else padding[:, -1:].bool()
-        if unrotated is not None:
-            unrotated[:, :, here] = k_feat
-        joined = self._joined_window(layer, cache) if visible is None else None
-        if joined is not None:  # sinks and ring side by side: one product for the scores, one for the values
-            kv, valid = joined
-            win, _ = window_step_terms(q, kv[:, :, 0], kv[:, :, 1], None if all_valid else valid, self.scaling)
-        else:
-            sinks = self._state(cache, "sink_kv") if self.sink else None
-            win, _ = window_step_terms(
-                q,
-                ring[:, :, 0],
-                ring[:, :, 1],
-                None if all_valid else ring_valid,
-                self.scaling,
-                None if sinks is None else sinks.unbind(2),
-                visible,
-            )
-        record_seen(layer, start + 1)
-        return self._share_normalizer(o, win)
-
-    def join_window(self, layer, cache: Cache) -> None:
-        """Lay the sinks and the ring out side by side for `_gla_step`, once the sinks are full.
-
-        The cached sinks [B, Hkv, 2, S, D] and ring [B, Hkv, 2, W, D] become views of one tensor, and
-        the ring's validity [B, W] a view of one [B, S + W] whose first S (the full sinks) are True:
-        a step then scores and weighs all S + W keys with one product each. The cache copies what is
-        stored later into these same tensors, so they stay joined until something replaces them (a beam
-        reorder, a batch selection, offloading); the next multi-token step or refill joins them anew.
-        Called where the states were stored (the general path), so decoding steps keep their addresses.
-        """
-        if (
-            layer.last_sink is None
-            or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
-            or self._joined_window(layer, cache) is not None
-        ):
-            return
-        sinks, ring, ring_valid = (self._state(cache, name) for name in ("sink_kv", "window_kv", "window_valid"))
-        kv = torch.cat([sinks, ring], dim=3)
-        valid = torch.cat([ring_valid.new_ones(ring_valid.shape[0], self.sink), ring_valid], dim=1)
-        # The states themselves become the views (storing would copy into the old tensors).
-        layer.recurrent_states[STATES["sink_kv"]] = kv[:, :, :, : self.sink]
-        layer.recurrent_states[STATES["window_kv"]] = kv[:, :, :, self.sink :]
-        layer.recurrent_states[STATES["window_valid"]] = valid[:, self.sink :]
-        layer.joined = (kv, valid)
-
-    def _joined_window(self, layer, cache: Cache) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The sinks and ring as `join_window` laid them out, if the cached states are still its views;
-        never inside a compiled step (its graph reads the states as they are)."""
-        joined = layer.joined
-        if joined is None or torch.compiler.is_compiling():
-            return None
-        kv, valid = joined
-        sinks, ring, ring_valid = (self._state(cache, name) for name in ("sink_kv", "window_kv", "window_valid"))
-        if sinks is None or ring is None or ring_valid is None:
-            return None
-        offset = self.sink * kv.stride(3) * kv.element_size()
-        apart = (
-            sinks.data_ptr() != kv.data_ptr()
-            or ring.data_ptr() != kv.data_ptr() + offset
-            or ring_valid.data_ptr() != valid.data_ptr() + self.sink * valid.element_size()
-            or ring.shape[3] + self.sink != kv.shape[3]
-        )
-        return None if apart else joined
 
     def _through_window(self, layer, cache, q, k, v, payload, valid, start, terms: bool = True):
         """The window's softmax terms, and what leaves the window into the state: (payload, valid, terms).
