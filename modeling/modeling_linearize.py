@@ -67,17 +67,9 @@ from ..kernels.window_torch import (  # noqa: E402
     window_step_terms,
 )
 from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
-from .cpu_layout_linearize import FusedProjections, lay_out_for_cpu_decode, split_gemv  # noqa: E402
-from .cache_linearize import (  # noqa: E402
-    LinearizeCacheLayer,
-    ReservedDynamicLayer,
-    adopt_layers,
-    has_state,
-    part_window,
-    record_seen,
-    tokens_seen,
-)
-from .decoding_linearize import COMPILED_STEP_OPTIONS, SPLIT_DECODE, GLAStep, derived, ring_slot, symbolic_step_sizes  # noqa: E402
+from .cache_linearize import LinearizeCacheLayer, adopt_layers, has_state, record_seen, tokens_seen  # noqa: E402
+from .cpu_layout_linearize import FusedProjections, split_gemv  # noqa: E402
+from .decoding_linearize import SPLIT_DECODE, DecodingRuntime, GLAStep, derived, ring_slot  # noqa: E402
 from .families import Family, family_of  # noqa: E402
 
 SDPA_GROUPS = is_torch_greater_or_equal("2.5")  # SDPA's enable_gqa: query groups share their KV head uncopied
@@ -1024,7 +1016,7 @@ class LinearizeModel(LinearizePreTrainedModel):
         return out if (getattr(self.config, "return_dict", True) if return_dict is None else return_dict) else out.to_tuple()
 
 
-class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
+class LinearizeForCausalLM(DecodingRuntime, LinearizePreTrainedModel, GenerationMixin):
     """The base family's causal LM (`LlamaForCausalLM`, ...) with the linear layers of `config.layer_types` converted."""
 
     family_mapping = "MODEL_FOR_CAUSAL_LM_MAPPING"
@@ -1049,63 +1041,18 @@ class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
     ):
         """The family's forward, with the hybrid cache, the padding mask for linear layers and per-layer attentions.
 
-        A decoding step (one token, a cache, no gradient) runs the graph of `compile_decoding` once it
-        is asked for and the linear layers have settled (`_settled`); on CPU without it, the large weights are laid
-        out for `SplitGemvLinear` first.
+        A decoding step (one token, a cache, no gradient) may take another path (`DecodingRuntime._decoding_path`):
+        the graph of `compile_decoding`, or on CPU the eager step over weights laid out for it.
         """
         use_cache = self.config.use_cache if use_cache is None else use_cache
         cache = self._hybrid_cache(cache, use_cache)
         embeds = inputs_embeds if inputs_embeds is not None else input_ids
-        step = embeds is not None and embeds.shape[1] == 1 and not self.training and not torch.is_grad_enabled()
-        forward, in_place = self._forward, False
-        if step and self.compiled_step is not None and cache is not None and self._settled(cache):
-            forward = self.compiled_step
-            # Eagerly, a full room grows and a joined ring parts (`part_window`): the graph only writes in place.
-            for layer in cache.layers:
-                if isinstance(layer, ReservedDynamicLayer) and layer.is_initialized:
-                    layer.reserve_before_graph()
-                elif isinstance(layer, LinearizeCacheLayer) and layer.joined is not None:
-                    part_window(layer)
-            in_place = self._step_writes_in_place(cache)
-        elif step:
-            if not self.cpu_decode_layout and self.compiled_step is None and self.device.type == "cpu":
-                lay_out_for_cpu_decode(self, column_major=True)
-                self.cpu_decode_layout = True
-            in_place = cache is not None and self._step_writes_in_place(cache)
-            if in_place:
-                for layer in cache.layers:  # the token's room, made outside inference mode
-                    if isinstance(layer, ReservedDynamicLayer):
-                        layer.reserve(1)
+        forward, in_place = self._decoding_path(cache, embeds)
         self._note_padding(cache, attention_mask, embeds, kwargs)
         return_dict = kwargs.pop("return_dict", None)
         args = (input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep)
-        if in_place:
-            # Inference mode spares each of the step's ~5,000 small ops its autograd bookkeeping (45.1 against
-            # 49.4 ms an eager 3:1 step at 1K on 2 cores; 30.0 against 30.6 ms a compiled all-linear one). Nothing it
-            # makes may outlive it: the cache is only written in place, and the outputs leave as copies.
-            with torch.inference_mode():
-                out = forward(*args, **kwargs)
-            for key, value in out.items():
-                if isinstance(value, torch.Tensor):
-                    out[key] = value.clone()
-                elif isinstance(value, tuple):
-                    out[key] = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in value)
-        else:
-            out = forward(*args, **kwargs)
+        out = self._run_step(forward, args, kwargs) if in_place else forward(*args, **kwargs)
         return out if (getattr(self.config, "return_dict", True) if return_dict is None else return_dict) else out.to_tuple()
-
-    def _step_writes_in_place(self, cache: Cache) -> bool:
-        """Whether this decoding step can make no cache tensor: every linear layer takes `LinearAttention._gla_step`
-        (state, ring and sinks settled, all written in place; other kinds store new states) and every softmax
-        layer is a started `ReservedDynamicLayer`, whose room for the token the caller makes first."""
-        for attention in self.linear_attentions:
-            layer = cache.layers[attention.layer_idx]
-            if not attention._steps_in_place(layer, cache, tokens_seen(layer)):
-                return False
-        return all(
-            isinstance(layer, LinearizeCacheLayer) or (isinstance(layer, ReservedDynamicLayer) and layer.is_initialized)
-            for layer in cache.layers
-        )
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep, **kwargs):
         """`forward` past its cache and layout set-up: what `compile_decoding` compiles."""
@@ -1124,59 +1071,6 @@ class LinearizeForCausalLM(LinearizePreTrainedModel, GenerationMixin):
             **kwargs,
         )
         return self._attentions_per_layer(out)
-
-    def compile_decoding(self, **options) -> LinearizeForCausalLM:
-        """Run every later decoding step (one token, a cache, no gradient) through one `torch.compile` graph.
-
-        Decoding is bound by reading the weights, and an eager step on CPU spends much of its time
-        between small ops; compiled, the step's element-wise work fuses into the products and the
-        one-row products become parallel reductions over row-major weights (`SplitGemvLinear`).
-        `options` go to `torch.compile`; with inductor (the default backend) its `options` start from
-        COMPILED_STEP_OPTIONS. The first step compiles (about 2 minutes on 2 CPU cores, seconds once
-        inductor's cache holds the graph), with the cache's changing sizes symbolic (STEP_SIZES), so one
-        graph serves the rest. Steps while sinks still fill, prefill, training and scoring stay eager.
-        Returns the model.
-        """
-        self._row_major()
-        if self.device.type == "cpu":
-            # Every size: the small layers' products (the gates') fuse too, instead of extern BLAS calls.
-            lay_out_for_cpu_decode(self, column_major=False, smallest=0)
-        if options.get("backend", "inductor") == "inductor":
-            options["options"] = COMPILED_STEP_OPTIONS | (options.get("options") or {})
-        for attention in self.linear_attentions:  # the graph reads sinks and ring apart: joined, their strides cost ~1%
-            attention.joins_window = False
-        self.compiled_step = symbolic_step_sizes(torch.compile(self._forward, **options))
-        return self
-
-    def train(self, mode: bool = True):
-        """Row-major weights again before training: DDP buckets, offloading and safetensors expect contiguous ones."""
-        if mode:
-            self._row_major()
-        return super().train(mode)
-
-    def save_pretrained(self, *args, **kwargs):
-        """Row-major weights first, as safetensors saves contiguous tensors (the next CPU decoding step lays them out again)."""
-        self._row_major()
-        return super().save_pretrained(*args, **kwargs)
-
-    def _row_major(self) -> None:
-        if getattr(self, "cpu_decode_layout", False):
-            lay_out_for_cpu_decode(self, column_major=False)
-            self.cpu_decode_layout = False
-
-    def _settled(self, cache: Cache) -> bool:
-        """Whether every linear layer's next step is free of host syncs: each holds a state, and its sinks,
-        if it keeps any, are full (`last_sink` is known). Until then steps stay eager, as a sync
-        inside the compiled step would break its graph (and recompile it per layer)."""
-        return all(
-            has_state(layer)
-            and not (
-                layer.is_recurrent_states_initialized[STATES["sink_kv"]]
-                and layer.last_sink is None
-            )
-            for layer in cache.layers
-            if isinstance(layer, LinearizeCacheLayer)
-        )
 
     def generate(self, *args, **kwargs):
         """The family's generate; assisted decoding is refused, as a recurrent state cannot be rolled back."""
