@@ -357,14 +357,11 @@ def ppl_main(argv: list[str] | None = None) -> int:
         device, dtype = resolve_device_dtype(args.device, args.dtype)  # a bad --device fails before any load
         converted = is_model_dir(args.model) and "linearize_teacher" in student_config(args.model)
         if args.control == "state-off":  # refused from the config, before any model loads
+            from ..modeling.modes import check_state_off
+
             settings = student_config(args.model).get("linear_attention") if converted else None
-            if not settings:
-                raise ValueError("--control state-off needs a converted model with linear layers: this one has none")
-            if settings.get("feature_map") == "performer" or not settings.get("window"):
-                raise ValueError(
-                    "--control state-off switches off the state of layers that mix it with a softmax window, and this "
-                    "model's layers have no such mix: use it on a GLA or deltanet export with a window"
-                )
+            mixless = settings and (settings.get("feature_map") == "performer" or not settings.get("window"))
+            check_state_off(bool(settings), [settings.get("kind", "gla")] if mixless else [])
         teacher = _check_models(args, args.model, converted)
         report = context_report(
             args.model,

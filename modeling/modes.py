@@ -47,17 +47,22 @@ def teacher_attention(model: torch.nn.Module) -> Iterator[None]:
             layer.teacher_attention = False
 
 
-def state_off_layers(model: torch.nn.Module) -> tuple[LinearAttention, ...]:
-    """The linear layers `state_off` switches, or a one-line error when the control cannot apply."""
-    layers = linear_attentions(model)
-    if not layers:
+def check_state_off(linear: bool, mixless: list[str]) -> None:
+    """Refuse the state-off control in one line: a model without linear layers (`linear` false), or one whose
+    linear layers of the kinds in `mixless` do not mix their state with a softmax window."""
+    if not linear:
         raise ValueError("--control state-off needs a converted model with linear layers: this one has none")
-    mixless = sorted({layer.kind for layer in layers if not hasattr(layer, "window_factor")})
     if mixless:
         raise ValueError(
             f"--control state-off switches off the state of layers that mix it with a softmax window, and this model's "
-            f"{', '.join(mixless)} layers have no such mix: use it on a GLA or deltanet export with a window"
+            f"{', '.join(sorted(set(mixless)))} layers have no such mix: use it on a GLA or deltanet export with a window"
         )
+
+
+def state_off_layers(model: torch.nn.Module) -> tuple[LinearAttention, ...]:
+    """The linear layers `state_off` switches, or a one-line error when the control cannot apply."""
+    layers = linear_attentions(model)
+    check_state_off(bool(layers), [layer.kind for layer in layers if not hasattr(layer, "window_factor")])
     return layers
 
 
