@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
+from conftest import tiny_fields
 
 from linearize.convert.plan import LINEAR, SLIDING, describe, plan_layers
 from linearize.convert.recipes import parse_recipe
@@ -22,19 +23,17 @@ GEMMA_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 2
 
 def gemma_like() -> torch.nn.Module:
     config = Gemma3TextConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=len(GEMMA_TYPES),
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=16,
-        query_pre_attn_scalar=24,
-        sliding_window=WINDOW,
-        layer_types=GEMMA_TYPES,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        pad_token_id=0,
+        **tiny_fields(
+            num_hidden_layers=len(GEMMA_TYPES),
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=WINDOW,
+            layer_types=GEMMA_TYPES,
+            max_position_embeddings=256,
+            initializer_range=0.2,
+            pad_token_id=0,
+        )
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
