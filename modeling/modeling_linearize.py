@@ -15,9 +15,12 @@ own `LinearizeCacheLayer` (cache_linearize.py; `layer_types` says `linear_attent
 linear layer is therefore never an attention layer: sliding-window softmax layers (Gemma 3,
 Mistral) keep their own window and mask sizes.
 
-Read top to bottom: the pieces of a linear layer (feature maps, decay gate, local window, sinks),
-`LinearAttention`, then the models: `LinearizeModel` (the backbone, what `AutoModel` loads) and
-`LinearizeForCausalLM`, both over the base family's own classes.
+Read top to bottom: the pieces of a linear layer (feature maps, decay gate), `LinearAttention`, then
+the models: `LinearizeModel` (the backbone, what `AutoModel` loads) and `LinearizeForCausalLM`, both
+over the base family's own classes. Beside this file: `cache_linearize.py` (the cache-layer classes),
+`decoding_linearize.py` (the one-token step and compiled decoding), `cpu_layout_linearize.py` (weight
+layouts for CPU decoding); the math of the attention itself is in the kernels (`gla_torch.py`,
+`delta_torch.py`, `window_torch.py` and their Triton versions, chosen by `ops.py`).
 """
 
 from __future__ import annotations
