@@ -33,8 +33,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LIN, FULL = "linear_attention", "full_attention"
 REMOTE_FILES = [
-    "modeling_linearize.py", "configuration_linearize.py", "families.py", "ops.py", "gla_torch.py", "delta_torch.py",
-    "feature_maps.py",
+    "modeling_linearize.py", "configuration_linearize.py", "families.py", "cache_linearize.py", "decoding_linearize.py",
+    "cpu_layout_linearize.py", "ops.py", "gla_torch.py", "delta_torch.py", "window_torch.py", "feature_maps.py",
 ]  # fmt: skip
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 PROMPT = (
@@ -55,10 +55,13 @@ def safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_flat_remote_code(folder: Path) -> None:
-    for name in REMOTE_FILES:
-        text = (folder / name).read_text()
-        assert not re.search(r"^\s*from \.\.", text, flags=re.MULTILINE), f"{name} imports from a parent package"
-        assert not re.search(r"^\s*(from|import) linearize\b", text, flags=re.MULTILINE), f"{name} imports linearize"
+    """Every Python file of the export imports only its neighbours (also inside functions): the set is complete."""
+    for path in folder.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"^\s*from \.\.", text, flags=re.MULTILINE), f"{path.name} imports from a parent package"
+        assert not re.search(r"^\s*(from|import) linearize\b", text, flags=re.MULTILINE), f"{path.name} imports linearize"
+        for neighbour in re.findall(r"^\s*from \.(\w+) import", text, flags=re.MULTILINE):
+            assert (folder / f"{neighbour}.py").is_file(), f"{path.name} imports .{neighbour}, which the export lacks"
 
 
 def assert_no_pickles(folder: Path) -> None:
@@ -332,6 +335,17 @@ def test_export_fails_on_a_missing_remote_code_file(tmp_path, monkeypatch):
     monkeypatch.setattr(export_module, "REMOTE_CODE", [*export_module.REMOTE_CODE, ("kernels", "no_such_kernel.py")])
     with pytest.raises(FileNotFoundError, match=r"no_such_kernel.py', which is missing: reinstall linearize"):
         export_module.write_remote_code(tmp_path)
+
+
+def test_an_export_missing_a_file_its_code_imports_is_caught(tmp_path, monkeypatch):
+    """The completeness check can fail: the remote code written without window_torch.py, which the model imports."""
+    import importlib
+
+    export_module = importlib.import_module("linearize.convert.export")
+    monkeypatch.setattr(export_module, "REMOTE_CODE", [e for e in export_module.REMOTE_CODE if e[1] != "window_torch.py"])
+    export_module.write_remote_code(tmp_path)
+    with pytest.raises(AssertionError, match="imports .window_torch, which the export lacks"):
+        assert_flat_remote_code(tmp_path)
 
 
 def test_convert_does_not_import_eval():
