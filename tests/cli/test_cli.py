@@ -213,6 +213,7 @@ BAD = {
     "ratio without a colon": (["--ratio", "5"], "malformed ratio '5': use LINEAR:SOFTMAX"),
     "ratio of three parts": (["--ratio", "3:0:1"], "malformed ratio '3:0:1': use LINEAR:SOFTMAX"),
     "negative window": (["--window", "-1"], "linear_attention.window=-1: use a non-negative integer"),
+    "infinite window logit": (["--window-logit", "inf"], r"linear_attention.window_logit=inf: use a finite number"),
     "negative budget": (["--transfer-tokens", "-5"], "--transfer-tokens (recipe key 'transfer.tokens') must be at least 0, got -5"),
     "zero batch": (["--batch-size", "0"], "--batch-size (recipe key 'transfer.batch_size') must be at least 1"),
     "split of the embedded corpus": (

@@ -65,3 +65,11 @@ def test_state_off_refuses_models_without_a_window_mix(tiny_llama_dir):
     performer = linearize_model(teacher, [LINEAR] * 4, {"kind": "performer", "feature_map": "performer", "window": 8})
     with pytest.raises(ValueError, match="this model's performer layers have no such mix: use it on a GLA or deltanet"):
         state_off_layers(performer)
+
+
+def test_window_logit_sets_each_heads_starting_mix(tiny_linearize):
+    """`window_logit` is where every head's window factor starts: sigmoid(0) = an even mix of window and state."""
+    even = tiny_linearize(["linear_attention"], {"window": 4, "window_logit": 0.0})
+    default = tiny_linearize(["linear_attention"], {"window": 4})
+    assert torch.equal(even.linear_attentions[0].window_factor, torch.zeros(4))
+    assert torch.equal(default.linear_attentions[0].window_factor, torch.full((4,), 2.0))
