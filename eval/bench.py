@@ -602,8 +602,8 @@ def parse_int_list(text: str, what: str) -> list[int]:
 
 def _check_compilable(student_dir: str | Path) -> None:
     """Refuse `--compile` before anything loads when the export's remote code has no compiled decoding."""
-    code = Path(student_dir).expanduser() / "modeling_linearize.py"  # the export's model code (convert/export.py)
-    if not code.is_file() or "def compile_decoding(" not in code.read_text():
+    folder = Path(student_dir).expanduser()  # the export's model code: flat .py files (convert/export.py)
+    if not any("def compile_decoding(" in code.read_text() for code in folder.glob("*.py")):
         raise ValueError(f"{student_dir}'s model code predates compiled decoding: convert it again, or bench without --compile")
 
 

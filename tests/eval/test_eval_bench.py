@@ -221,3 +221,14 @@ def test_bench_cli_input_errors(model_dir, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("linearize bench: error: ") and message in err and err.count("\n") == 1
     assert parse_int_list("1024, 4096", "contexts") == [1024, 4096]
+
+
+def test_compile_is_refused_only_for_model_code_without_compiled_decoding(tmp_path):
+    """The export's code is several flat files: compiled decoding may live in any of them."""
+    from linearize.eval.bench import _check_compilable
+
+    (tmp_path / "modeling_linearize.py").write_text("class LinearizeForCausalLM: ...\n")
+    with pytest.raises(ValueError, match="model code predates compiled decoding"):
+        _check_compilable(tmp_path)
+    (tmp_path / "decoding_linearize.py").write_text("class DecodingRuntime:\n    def compile_decoding(self): ...\n")
+    _check_compilable(tmp_path)
