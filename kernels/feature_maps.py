@@ -68,7 +68,7 @@ def hedgehog_step(x: torch.Tensor, signed_weight: torch.Tensor, signed_bias: tor
     x [B, H, 1, D] in the weights' dtype -> [B, H, 1, 2F].
     """
     B, H, _, D = x.shape
-    z = torch.baddbmm(signed_bias, x.transpose(0, 1).reshape(H, B, D), signed_weight)
+    z = step_bmm(x.transpose(0, 1).reshape(H, B, D), signed_weight, add=signed_bias)
     return z.view(H, B, 2, -1).softmax(-1).view(H, B, 1, -1).transpose(0, 1)
 
 
@@ -114,6 +114,27 @@ def performer(logits: torch.Tensor, stabilizer: torch.Tensor | None = None) -> t
     if stabilizer is None:
         stabilizer = logits.amax(-1, keepdim=True).detach()
     return ((logits - stabilizer).exp() / math.sqrt(logits.shape[-1])).to(logits.dtype)
+
+
+def performer_keys(
+    key_logits: torch.Tensor, stabilizer: torch.Tensor | None, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Performer key features [B, H, T, M] with a running-max stabilizer, expressed as a scalar decay of the state.
+
+    m_t = max(m_{t-1}, max_f logit_t); the state is kept relative to exp(m_t), so raising the max
+    by d multiplies the old state by exp(-d): exactly a per-head decay g_t = m_{t-1} - m_t.
+    `stabilizer` is the previous chunk's final m (None at the start); padding (`valid` [B, T] false)
+    leaves m and the state unchanged. Returns (features, g [B, H, T, 1], final m, m per step).
+    """
+    keep = valid[:, None, :, None]
+    step_max = key_logits.amax(-1, keepdim=True).detach().masked_fill(~keep, float("-inf"))
+    start = torch.full_like(step_max[:, :, :1], float("-inf")) if stabilizer is None else stabilizer
+    running = torch.cummax(torch.cat([start, step_max], dim=2), dim=2).values
+    previous, current = running[:, :, :-1], running[:, :, 1:]
+    g = torch.where(torch.isfinite(previous), previous - current, torch.zeros_like(current))
+    per_step = torch.where(torch.isfinite(current), current, torch.zeros_like(current))
+    features = performer(key_logits, per_step) * keep
+    return features, g, running[:, :, -1:], per_step
 
 
 def orthogonal_random_features(heads: int, features: int, dim: int, generator: torch.Generator) -> torch.Tensor:

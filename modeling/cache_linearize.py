@@ -34,10 +34,6 @@ class LinearizeCacheLayer(LinearAttentionLayer):
     def _clear(self) -> None:
         self.seen = 0  # tokens taken in, padding included (the same for every row)
         self.last_sink: int | None = None  # the position of the last sink once every row's sinks are full
-        self.valid_since = 0  # real tokens start here: before it, ring slots may hold padding
-        # The sinks, the window's ring and their validity as one tensor each, for an eager step
-        # (`LinearAttention.join_window`); None while they are apart.
-        self.joined: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def reset(self) -> None:
         super().reset()
@@ -68,18 +64,6 @@ def record_seen(layer: LinearizeCacheLayer, seen: int) -> None:
     """
     layer.seen = seen
     layer.cumulative_length_linear.fill_(seen)
-
-
-def part_window(layer: LinearizeCacheLayer) -> None:
-    """Undo `LinearAttention.join_window` before a compiled step: sinks, ring and validity each their own tensor.
-
-    The graph reads them apart, and writes each slot through a one-element index (`_gla_step`);
-    inductor writes such an index into a tensor in place, but into a view of a larger tensor
-    only by rewriting the whole view every token.
-    """
-    for name in ("sink_kv", "window_kv", "window_valid"):
-        layer.recurrent_states[STATES[name]] = layer.recurrent_states[STATES[name]].clone()
-    layer.joined = None
 
 
 class ReservedDynamicLayer(DynamicLayer):

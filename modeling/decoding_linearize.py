@@ -21,10 +21,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..kernels.feature_maps import hedgehog_step
 from ..kernels.ops import gated_linear_attention
 from ..kernels.window_torch import sink_leaving, sink_visibility, window_step_terms
-from .cache_linearize import LinearizeCacheLayer, ReservedDynamicLayer, has_state, part_window, record_seen, tokens_seen
+from .cache_linearize import LinearizeCacheLayer, ReservedDynamicLayer, has_state, record_seen, tokens_seen
 from .cpu_layout_linearize import lay_out_for_cpu_decode
 from .configuration_linearize import STATES
 
@@ -87,6 +86,13 @@ def ring_slot(position: int, window: int, device: torch.device) -> slice | torch
     return torch.full((1,), slot, device=device) if torch.compiler.is_compiling() else slice(slot, slot + 1)
 
 
+def sinks_settled(last_sink: int | None, start: int, window: int, step: bool) -> bool:
+    """Whether every sink is full and older than the oldest token leaving a window of `window` at `start`: all
+    visible, none entering the state, so a step needs no positions. A compiled step (`step`) applies the masks
+    anyway (then all true): a test of the position would split its graph."""
+    return not (step and torch.compiler.is_compiling()) and last_sink is not None and last_sink < start - window
+
+
 class GLAStep:
     """The decoding step of a GLA layer with a window and the shared normalizer, mixed into `LinearAttention`.
 
@@ -94,20 +100,6 @@ class GLAStep:
     settings (`kind`, `window`, `sink`, ...) and its general helpers (`_state`, `_store`, `_decay`,
     `_query_features`, `_key_features`, `_share_normalizer`).
     """
-
-    def _step_features(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """phi(q) and phi(k) of one decoding step (`_gla_step`, no autograd). Eager, Hedgehog's two maps run as one:
-        the query heads and key heads side by side through one product and one softmax, over their signed weights
-        joined once (`derived`), where two maps take twice the ops (each op of a CPU step costs µs)."""
-        maps = (self.feature_map_q, self.feature_map_k) if self.map_name == "hedgehog" else ()
-        sources = tuple(t for m in maps for t in (m.weight, m.bias))
-        # Offloaded maps (accelerate's hooks on each module) hold their weights only inside their own forward.
-        if not maps or torch.compiler.is_compiling() or any(t.device != q.device or t.dtype != q.dtype for t in (k, *sources)):
-            return self._query_features(q), self._key_features(k)
-        weight, bias = derived(
-            self, "_paired_maps_cache", sources, lambda: tuple(torch.cat(pair) for pair in zip(maps[0].signed(), maps[1].signed()))
-        )
-        return hedgehog_step(torch.cat([q, k], dim=1), weight, bias).split([q.shape[1], k.shape[1]], dim=1)
 
     def _has_gla_step(self) -> bool:
         """Whether this layer's kind and settings have `_gla_step` (GLA, a window, the shared normalizer)."""
@@ -136,35 +128,28 @@ class GLAStep:
         cores, weights streaming between them), so the step is written for op count: the token that
         leaves the ring enters the state (updated in place) before the new token takes its slot, its
         value read where it lies (a padding token adds nothing: its key features are zeroed), and the
-        sinks are read as cached. Eager, when the token and every token in the ring are real (no padding
-        since `valid_since`, set by `LinearizeForCausalLM.forward`), no validity is read or written.
-        While sinks are still inside the window (a prompt shorter than sinks + window), the ring holds them
-        too: their own copies stay hidden until they leave it, and a sink leaving the ring does not enter
-        the state. A compiled step always applies these masks (all true later), so one graph serves both.
+        sinks are read as cached. While sinks are still inside the window (a prompt shorter than sinks +
+        window), the ring holds them too: their own copies stay hidden until they leave it, and a sink
+        leaving the ring does not enter the state. A compiled step always applies the sinks' masks (all true later), so one graph serves both.
         """
         here = ring_slot(start, self.window, q.device)
         ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
         unrotated = self._state(cache, "window_payload") if k_feat is not k else None
-        compiling = torch.compiler.is_compiling()
-        all_valid = (  # not in a compiled graph: guards on the position would recompile it
-            padding is None and not compiling and start - self.window >= layer.valid_since
-        )
-        keep = None if all_valid else ring_valid[:, None, here, None]  # the leaving token is real (not padding)
+        keep = ring_valid[:, None, here, None]  # the leaving token is real (not padding)
         visible = None  # [B, S]: which sinks the query sees (None: all)
-        if self.sink and (compiling or layer.last_sink >= start - self.window):
+        if self.sink and (torch.compiler.is_compiling() or layer.last_sink >= start - self.window):
             sink_positions, position = self._state(cache, "sink_positions"), torch.full((1,), start, device=q.device)
             visible = sink_visibility(sink_positions, position, self.window)[:, 0, 0, 0]
-            not_sink = ~sink_leaving(sink_positions, position, self.window)[:, None, :, None]
-            keep = not_sink if keep is None else keep & not_sink
+            keep = keep & ~sink_leaving(sink_positions, position, self.window)[:, None, :, None]
         leaving = ring[:, :, 0, here] if unrotated is None else unrotated[:, :, here]
         g = self._decay(hidden_states, k, low_rank)
         memory = self._state(cache, "memory")
-        fq, leaving = self._step_features(q_feat, leaving)
+        fq, leaving = self._query_features(q_feat), self._key_features(leaving)
         o, state = gated_linear_attention(
             fq,
-            leaving if keep is None else leaving * keep,
+            leaving * keep,
             ring[:, :, 1, here],
-            g if g is None or keep is None else g * keep,
+            g if g is None else g * keep,
             scale=self.scaling if self.map_name == "identity" else 1.0,
             normalize=True,
             divide=False,
@@ -174,72 +159,21 @@ class GLAStep:
         if state is not memory:
             self._store(cache, "memory", state)
         ring[:, :, :, here] = torch.stack([k, v], dim=2)
-        if not all_valid:
-            ring_valid[:, here] = True if padding is None else padding[:, -1:].bool()
+        ring_valid[:, here] = True if padding is None else padding[:, -1:].bool()
         if unrotated is not None:
             unrotated[:, :, here] = k_feat
-        joined = self._joined_window(layer, cache) if visible is None else None
-        if joined is not None:  # sinks and ring side by side: one product for the scores, one for the values
-            kv, valid = joined
-            win, _ = window_step_terms(q, kv[:, :, 0], kv[:, :, 1], None if all_valid else valid, self.scaling)
-        else:
-            sinks = self._state(cache, "sink_kv") if self.sink else None
-            win, _ = window_step_terms(
-                q,
-                ring[:, :, 0],
-                ring[:, :, 1],
-                None if all_valid else ring_valid,
-                self.scaling,
-                None if sinks is None else sinks.unbind(2),
-                visible,
-            )
+        sinks = self._state(cache, "sink_kv") if self.sink else None
+        win, _ = window_step_terms(
+            q,
+            ring[:, :, 0],
+            ring[:, :, 1],
+            ring_valid,
+            self.scaling,
+            None if sinks is None else sinks.unbind(2),
+            visible,
+        )
         record_seen(layer, start + 1)
         return self._share_normalizer(o, win)
-
-    def join_window(self, layer, cache: Cache) -> None:
-        """Lay the sinks and the ring out side by side for `_gla_step`, once the sinks are full.
-
-        The cached sinks [B, Hkv, 2, S, D] and ring [B, Hkv, 2, W, D] become views of one tensor, and
-        the ring's validity [B, W] a view of one [B, S + W] whose first S (the full sinks) are True:
-        a step then scores and weighs all S + W keys with one product each. The cache copies what is
-        stored later into these same tensors, so they stay joined until something replaces them (a beam
-        reorder, a batch selection, offloading); the next multi-token step or refill joins them anew.
-        Called where the states were stored (the general path), so decoding steps keep their addresses.
-        """
-        if (
-            layer.last_sink is None
-            or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
-            or self._joined_window(layer, cache) is not None
-        ):
-            return
-        sinks, ring, ring_valid = (self._state(cache, name) for name in ("sink_kv", "window_kv", "window_valid"))
-        kv = torch.cat([sinks, ring], dim=3)
-        valid = torch.cat([ring_valid.new_ones(ring_valid.shape[0], self.sink), ring_valid], dim=1)
-        # The states themselves become the views (storing would copy into the old tensors).
-        layer.recurrent_states[STATES["sink_kv"]] = kv[:, :, :, : self.sink]
-        layer.recurrent_states[STATES["window_kv"]] = kv[:, :, :, self.sink :]
-        layer.recurrent_states[STATES["window_valid"]] = valid[:, self.sink :]
-        layer.joined = (kv, valid)
-
-    def _joined_window(self, layer, cache: Cache) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The sinks and ring as `join_window` laid them out, if the cached states are still its views;
-        never inside a compiled step (its graph reads the states as they are)."""
-        joined = layer.joined
-        if joined is None or torch.compiler.is_compiling():
-            return None
-        kv, valid = joined
-        sinks, ring, ring_valid = (self._state(cache, name) for name in ("sink_kv", "window_kv", "window_valid"))
-        if sinks is None or ring is None or ring_valid is None:
-            return None
-        offset = self.sink * kv.stride(3) * kv.element_size()
-        apart = (
-            sinks.data_ptr() != kv.data_ptr()
-            or ring.data_ptr() != kv.data_ptr() + offset
-            or ring_valid.data_ptr() != valid.data_ptr() + self.sink * valid.element_size()
-            or ring.shape[3] + self.sink != kv.shape[3]
-        )
-        return None if apart else joined
 
 
 def symbolic_step_sizes(step: Callable) -> Callable:
@@ -272,12 +206,10 @@ class DecodingRuntime:
         forward, in_place = self._forward, False
         if step and self.compiled_step is not None and cache is not None and self._settled(cache):
             forward = self.compiled_step
-            # Eagerly, a full room grows and a joined ring parts (`part_window`): the graph only writes in place.
+            # Eagerly, a full room grows: the graph only writes in place.
             for layer in cache.layers:
                 if isinstance(layer, ReservedDynamicLayer) and layer.is_initialized:
                     layer.reserve_before_graph()
-                elif isinstance(layer, LinearizeCacheLayer) and layer.joined is not None:
-                    part_window(layer)
             in_place = self._step_writes_in_place(cache)
         elif step:
             if not self.cpu_decode_layout and self.compiled_step is None and self.device.type == "cpu":
@@ -338,8 +270,6 @@ class DecodingRuntime:
             lay_out_for_cpu_decode(self, column_major=False, smallest=0)
         if options.get("backend", "inductor") == "inductor":
             options["options"] = COMPILED_STEP_OPTIONS | (options.get("options") or {})
-        for attention in self.linear_attentions:  # the graph reads sinks and ring apart: joined, their strides cost ~1%
-            attention.joins_window = False
         self.compiled_step = symbolic_step_sizes(torch.compile(self._forward, **options))
         return self
 
@@ -435,3 +365,28 @@ def split_decode_attention(
 
 
 AttentionInterface.register(SPLIT_DECODE, split_decode_attention)
+
+
+class SoftmaxAttentionConfig:
+    """The base config as a softmax layer's attention module sees it: SDPA reads as `split_decode_attention`.
+
+    A live view, not a copy: `set_attn_implementation` and any later change to the model's config
+    reach the layer, and every other attribute is the base config's own.
+    """
+
+    def __init__(self, config) -> None:
+        self.__dict__["base"] = config
+
+    def __getattr__(self, name: str):
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.base, name, value)
+
+    @property
+    def _attn_implementation(self) -> str | None:
+        implementation = self.base._attn_implementation
+        return SPLIT_DECODE if implementation == "sdpa" else implementation
+

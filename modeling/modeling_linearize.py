@@ -25,7 +25,6 @@ layouts for CPU decoding); the math of the attention itself is in the kernels (`
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -55,6 +54,7 @@ from ..kernels.feature_maps import (  # noqa: E402
     hedgehog_step,
     orthogonal_random_features,
     performer,
+    performer_keys,
     performer_logits,
     taylor,
 )
@@ -71,8 +71,8 @@ from ..kernels.window_torch import (  # noqa: E402
 )
 from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
 from .cache_linearize import LinearizeCacheLayer, adopt_layers, has_state, record_seen, tokens_seen  # noqa: E402
-from .cpu_layout_linearize import FusedProjections, split_gemv  # noqa: E402
-from .decoding_linearize import SPLIT_DECODE, DecodingRuntime, GLAStep, derived, ring_slot  # noqa: E402
+from .cpu_layout_linearize import FusedProjections  # noqa: E402
+from .decoding_linearize import DecodingRuntime, GLAStep, SoftmaxAttentionConfig, derived, ring_slot, sinks_settled  # noqa: E402
 from .families import Family, family_of  # noqa: E402
 
 SDPA_GROUPS = is_torch_greater_or_equal("2.5")  # SDPA's enable_gqa: query groups share their KV head uncopied
@@ -101,7 +101,7 @@ class HedgehogFeatureMap(nn.Module):
         init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[2] == 1 and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and x.dtype == self.weight.dtype:
+        if x.shape[2] == 1 and not torch.is_grad_enabled() and x.dtype == self.weight.dtype:
             signed = derived(self, "_signed_cache", (self.weight, self.bias), self.signed)
             return hedgehog_step(x, *signed)
         return hedgehog(x, self.weight, self.bias)
@@ -316,7 +316,6 @@ class LinearAttention(GLAStep, FusedProjections, nn.Module):
         self.checkpoint_linear = False  # recompute the linear path in backward (inside a recomputed decoder layer)
         self.qkv_columns: torch.Tensor | None = None  # q/k/v_proj's weights as one tensor (`lay_out_projections`)
         self.fused_parts: tuple[nn.Module, ...] = ()  # the linears whose weights are its column slices, in order
-        self.joins_window = True  # sinks and ring side by side for the eager step (`join_window`)
         D = self.head_dim
         if self.map_name == "hedgehog":
             width = settings["feature_dim"] or D
@@ -386,13 +385,10 @@ class LinearAttention(GLAStep, FusedProjections, nn.Module):
         too (else None: the gate makes it itself)."""
         B, T = hidden_states.shape[:2]
         D, family = self.head_dim, self.family
-        columns = self._fused_columns(hidden_states) if family.qkv == "separate" else None
+        fused = self._fused_project(hidden_states) if family.qkv == "separate" else None
         low_rank = None
-        if columns is not None:
-            q, k, v, *rest = split_gemv(hidden_states, columns).view(B, T, -1).split([p.weight.shape[0] for p in self.fused_parts], -1)
-            low_rank = rest[0] if rest else None
-            if self.q_proj.bias is not None:
-                q, k, v = q + self.q_proj.bias, k + self.k_proj.bias, v + self.v_proj.bias
+        if fused is not None:
+            q, k, v, low_rank = fused
         elif family.qkv == "separate":
             q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
         elif family.qkv == "fused":
@@ -503,8 +499,6 @@ class LinearAttention(GLAStep, FusedProjections, nn.Module):
         if layer is not None:
             record_seen(layer, start + T)
             layer.has_previous_state[STATES["memory"]] = True
-            if self.sink and self.joins_window and self._has_gla_step():
-                self.join_window(layer, cache)
         keep = valid[:, None, :, None]
         v = v * keep
         if g is not None:
@@ -518,7 +512,7 @@ class LinearAttention(GLAStep, FusedProjections, nn.Module):
         if self.map_name == "performer":
             q_stab = fq.amax(-1, keepdim=True).detach()
             fq = performer(fq, q_stab)
-            fk, g, stabilizer, key_stab = self._performer_keys(fk, stabilizer, valid)
+            fk, g, stabilizer, key_stab = performer_keys(fk, stabilizer, valid)
         else:
             fk = fk * keep
 
@@ -564,8 +558,6 @@ class LinearAttention(GLAStep, FusedProjections, nn.Module):
                 self._store(cache, "memory", v.new_zeros(B, features[1], features[-1], D + 1, dtype=torch.float32))
             record_seen(layer, start + q.shape[2])
             layer.has_previous_state[STATES["memory"]] = True
-            if self.sink and self.joins_window:
-                self.join_window(layer, cache)
         T, L = q.shape[2], start + q.shape[2]
         mask = None
         if start or not all_valid:
@@ -601,10 +593,7 @@ class LinearAttention(GLAStep, FusedProjections, nn.Module):
         extra = torch.cat(extras, dim=-1) if extras else None
         ring, ring_extra, ring_valid = (self._state(cache, name) for name in ("window_kv", "window_payload", "window_valid"))
         step = ring is not None and T == 1 and not torch.is_grad_enabled()
-        # Every sink full and older than the oldest token leaving the window: all visible, none entering. A
-        # compiled step applies the masks anyway (then all true): a test of the position would split its graph.
-        last_sink = None if layer is None else layer.last_sink
-        sinks_behind = not (step and torch.compiler.is_compiling()) and last_sink is not None and last_sink < start - W
+        sinks_behind = sinks_settled(None if layer is None else layer.last_sink, start, W, step)
         # A decoding step past the sinks needs no positions: it neither fills nor masks them.
         positions = None if step and sinks_behind else torch.arange(start, start + T, device=q.device)
         sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None
@@ -695,23 +684,6 @@ class LinearAttention(GLAStep, FusedProjections, nn.Module):
         self._store(cache, "conv", history)
         return (part.view(B, T, -1, D).transpose(1, 2) for part in y.split([f.shape[-1] for f in flat], dim=-1))
 
-    def _performer_keys(self, key_logits: torch.Tensor, stabilizer: torch.Tensor | None, valid: torch.Tensor):
-        """Key features with a running-max stabilizer, expressed as a scalar decay of the state.
-
-        m_t = max(m_{t-1}, max_f logit_t); the state is kept relative to exp(m_t), so raising the max
-        by d multiplies the old state by exp(-d): exactly a per-head decay g_t = m_{t-1} - m_t.
-        Returns (features, g [B, Hkv, T, 1], final m, m per step).
-        """
-        keep = valid[:, None, :, None]
-        step_max = key_logits.amax(-1, keepdim=True).detach().masked_fill(~keep, float("-inf"))
-        start = torch.full_like(step_max[:, :, :1], float("-inf")) if stabilizer is None else stabilizer
-        running = torch.cummax(torch.cat([start, step_max], dim=2), dim=2).values
-        previous, current = running[:, :, :-1], running[:, :, 1:]
-        g = torch.where(torch.isfinite(previous), previous - current, torch.zeros_like(current))
-        per_step = torch.where(torch.isfinite(current), current, torch.zeros_like(current))
-        features = performer(key_logits, per_step) * keep
-        return features, g, running[:, :, -1:], per_step
-
     def _state(self, cache: Cache | None, name: str) -> torch.Tensor | None:
         """One of this layer's cached states (see STATES), or None before the first step."""
         if cache is None:
@@ -765,75 +737,8 @@ def linear_attention_class(base: type[nn.Module]) -> type[LinearAttention]:
         rotary = getattr(sys.modules[base.__module__], "apply_rotary_pos_emb", None)
         if rotary is None:
             raise ValueError(f"{base.__name__} has no apply_rotary_pos_emb beside it: its family is not supported")
-        if rotates_like_half_rotary(rotary):
-            rotary = functools.partial(half_rotary, family_rotary=rotary)
         _LINEAR_CLASSES[base] = type(f"Linear{base.__name__}", (LinearAttention, base), {"apply_rotary": staticmethod(rotary)})
     return _LINEAR_CLASSES[base]
-
-
-_ROTARY_SIGNS: dict[tuple, torch.Tensor] = {}  # per (rotary width, dtype, device): -1 on the first half, +1 on the second
-
-
-def half_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, family_rotary: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE over the whole head in the half-split layout, bit for bit what transformers' `apply_rotary_pos_emb` gives.
-
-    `rotate_half(x) * sin` is `x` rolled by half a head times sin with its first half negated (negation is
-    exact), so each of q and k takes a multiply, a roll, a multiply and an add: 11 ops in all where the
-    family's function takes 16. An eager decoding step pays several µs an op on a CPU. Partial rotary
-    (cos narrower than the head) stays the family's own.
-    """
-    width = cos.shape[-1]
-    if width != q.shape[-1] or width % 2:
-        return family_rotary(q, k, cos, sin)
-    key = (width, sin.dtype, sin.device)
-    sign = _ROTARY_SIGNS.get(key)
-    if sign is None:
-        sign = _ROTARY_SIGNS[key] = torch.cat([sin.new_full((width // 2,), -1.0), sin.new_ones(width // 2)])
-    cos, sin = cos.unsqueeze(1), (sin * sign).unsqueeze(1)
-    return q * cos + q.roll(width // 2, -1) * sin, k * cos + k.roll(width // 2, -1) * sin
-
-
-def rotates_like_half_rotary(rotary: Callable) -> bool:
-    """Whether a family's `apply_rotary_pos_emb` gives exactly `half_rotary`'s result on a full-width rotation, in
-    fp32 and bf16 (checked once per family on random numbers; another layout, or arithmetic in another dtype,
-    keeps the family's function)."""
-    gen = torch.Generator().manual_seed(0)  # on the CPU even where the model is built on the meta device
-    q, k = torch.randn(2, 3, 5, 8, generator=gen, device="cpu"), torch.randn(2, 1, 5, 8, generator=gen, device="cpu")
-    angles = torch.randn(2, 5, 4, generator=gen, device="cpu").repeat(1, 1, 2)
-    for dtype in (torch.float32, torch.bfloat16):
-        args = [x.to(dtype) for x in (q, k, angles.cos(), angles.sin())]
-        try:
-            theirs = rotary(*args)
-        except (TypeError, ValueError, RuntimeError):  # a signature or layout of its own
-            return False
-        ours = half_rotary(*args, family_rotary=rotary)
-        if not all(isinstance(t, torch.Tensor) and t.dtype == o.dtype and torch.equal(t, o) for t, o in zip(theirs, ours)):
-            return False
-    return True
-
-
-class SoftmaxAttentionConfig:
-    """The base config as a softmax layer's attention module sees it: SDPA reads as `split_decode_attention`.
-
-    A live view, not a copy: `set_attn_implementation` and any later change to the model's config
-    reach the layer, and every other attribute is the base config's own.
-    """
-
-    def __init__(self, config) -> None:
-        self.__dict__["base"] = config
-
-    def __getattr__(self, name: str):
-        if name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        setattr(self.base, name, value)
-
-    @property
-    def _attn_implementation(self) -> str | None:
-        implementation = self.base._attn_implementation
-        return SPLIT_DECODE if implementation == "sdpa" else implementation
 
 
 _HYBRID_CLASSES: dict[tuple[str, str], type] = {}
@@ -924,24 +829,6 @@ class LinearizePreTrainedModel(PreTrainedModel):
         self._check_cache(cache)
         return cache
 
-    def _note_padding(self, cache: Cache | None, attention_mask: torch.Tensor | None, embeds, kwargs: dict) -> None:
-        """Tell the linear layers whether the new tokens of `embeds` (ids or embeddings) may include padding.
-
-        On a CPU without autograd, a mask whose new tokens are all real is dropped (reading it is no
-        sync there), and the layers treat every token as real. Otherwise each linear layer's cache
-        records that real tokens start after these (`valid_since`): until the window has
-        moved past them, `LinearAttention._gla_step` reads and writes the ring's validity.
-        """
-        if cache is None or attention_mask is None or attention_mask.ndim != 2 or embeds is None:
-            return
-        tokens = embeds.shape[1]
-        if not torch.is_grad_enabled() and attention_mask.device.type == "cpu" and bool(attention_mask[:, -tokens:].all()):
-            kwargs[PADDING_KWARG] = None
-            return
-        for attention in self.linear_attentions:
-            layer = cache.layers[attention.layer_idx]
-            layer.valid_since = tokens_seen(layer) + tokens
-
     def _hybrid_inputs(self, embeds, attention_mask, position_ids, cache, kwargs: dict):
         """The family forward's mask and positions, with the 2D padding mask passed on to the linear layers.
 
@@ -1002,7 +889,6 @@ class LinearizeModel(LinearizePreTrainedModel):
         """The family's forward, with the hybrid cache, the padding mask for linear layers and per-layer attentions."""
         cache = self._hybrid_cache(cache, use_cache)
         embeds = inputs_embeds if inputs_embeds is not None else input_ids
-        self._note_padding(cache, attention_mask, embeds, kwargs)
         attention_mask, position_ids = self._hybrid_inputs(embeds, attention_mask, position_ids, cache, kwargs)
         return_dict = kwargs.pop("return_dict", None)
         out = super().forward(
@@ -1051,7 +937,6 @@ class LinearizeForCausalLM(DecodingRuntime, LinearizePreTrainedModel, Generation
         cache = self._hybrid_cache(cache, use_cache)
         embeds = inputs_embeds if inputs_embeds is not None else input_ids
         forward, in_place = self._decoding_path(cache, embeds)
-        self._note_padding(cache, attention_mask, embeds, kwargs)
         return_dict = kwargs.pop("return_dict", None)
         args = (input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep)
         out = self._run_step(forward, args, kwargs) if in_place else forward(*args, **kwargs)

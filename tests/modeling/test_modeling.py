@@ -7,7 +7,6 @@ on one CPU thread; the embedded 135M model is only used by test_export.py and te
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import re
 import types
@@ -37,14 +36,13 @@ import linearize.modeling.cache_linearize as cache_linearize
 import linearize.modeling.cpu_layout_linearize as cpu_layout_linearize
 import linearize.modeling.decoding_linearize as decoding_linearize
 import linearize.modeling.modeling_linearize as modeling_linearize
-from linearize.modeling.cpu_layout_linearize import GateUpMLP, SplitGemvLinear, still_fused
+from linearize.modeling.cpu_layout_linearize import SplitGemvLinear
 from linearize.modeling.cache_linearize import LinearizeCacheLayer, ReservedDynamicLayer
-from linearize.modeling.decoding_linearize import split_decode_attention
+from linearize.modeling.decoding_linearize import SoftmaxAttentionConfig, split_decode_attention
 from linearize.modeling.modeling_linearize import (
     HedgehogFeatureMap,
     LinearAttention,
     LinearizeForCausalLM,
-    SoftmaxAttentionConfig,
     TaylorFeatureMap,
     transfer_mse,
 )
@@ -583,8 +581,7 @@ def test_cache_does_not_grow(kind):
 def test_a_decoding_step_never_waits_on_the_device_and_keeps_its_state_buffer(kind):
     """Once the prompt is in (sinks full), a decoding step of the linear layers reads no tensor value on the
     host (no .item(), bool() or int() of a tensor: each is a device sync on CUDA) and updates the recurrent
-    state and the window's ring where the cache holds them (static addresses, as CUDA graphs need). The
-    one read allowed is the model's look at a CPU mask (`_note_padding`), which a CUDA mask never gets."""
+    state and the window's ring where the cache holds them (static addresses, as CUDA graphs need)."""
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -608,14 +605,13 @@ def test_a_decoding_step_never_waits_on_the_device_and_keeps_its_state_buffer(ki
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._local_scalar_dense.default:
-                callers = [frame.name for frame in traceback.extract_stack()]
-                self.reads.append("_note_padding" if "_note_padding" in callers else callers[-2])
+                self.reads.append(traceback.extract_stack()[-2].name)
             return func(*args, **(kwargs or {}))
 
     mask = torch.ones(2, 13, dtype=torch.long)
     with HostReads() as mode:
         model(random_ids(2, 1, seed=4), attention_mask=mask, cache=cache)
-    assert mode.reads == ["_note_padding"]
+    assert mode.reads == []
     assert [states[STATES[name]].data_ptr() for name in ("memory", "window_kv")] == addresses
 
 
@@ -675,10 +671,7 @@ def test_the_in_place_gla_step_equals_the_general_path(case, monkeypatch):
             slow = model(token, attention_mask=mask, cache=general).logits
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
     assert len(taken) >= 2 * 2 if STEP_CASES[case].get("sink") else len(taken) == 6 * 2, "the in-place step was taken"
-    first, layer = model.model.layers[0].self_attn, cache.layers[0]
-    # With sinks, the prompt left them and the ring side by side (one product a step); a beam reorder
-    # replaces the states, and the next step reads them apart, to the same logits.
-    assert (first._joined_window(layer, cache) is not None) == bool(STEP_CASES[case].get("sink"))
+    # A beam reorder replaces the states; the next step reads the new ones, to the same logits.
     cache.reorder_cache(torch.tensor([1, 0])), general.reorder_cache(torch.tensor([1, 0]))
     mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
     fast = model(random_ids(2, 1, seed=70), attention_mask=mask, cache=cache).logits
@@ -686,7 +679,6 @@ def test_the_in_place_gla_step_equals_the_general_path(case, monkeypatch):
         m.setattr(LinearAttention, "_steps_in_place", lambda *a: False)
         slow = model(random_ids(2, 1, seed=70), attention_mask=mask, cache=general).logits
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
-    assert first._joined_window(layer, cache) is None
     for index in (0, 2):
         got, want = cache.layers[index].recurrent_states, general.layers[index].recurrent_states
         for name, slot in STATES.items():
@@ -827,9 +819,7 @@ def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tm
     projections = [linear.q_proj, linear.k_proj, linear.v_proj]
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
     assert model.cpu_decode_layout and large and calls
-    mlps = [layer.mlp for layer in model.model.layers]
-    fused = [*linear.fused_parts, *(proj for mlp in mlps for proj in (mlp.gate_proj, mlp.up_proj))]
-    assert all(type(m) is SplitGemvLinear and m.weight.t().is_contiguous() for m in large if m not in fused)
+    assert all(type(m) is SplitGemvLinear and m.weight.t().is_contiguous() for m in large if m not in linear.fused_parts)
     # The linear layer's q/k/v weights and its gate's first projection are column slices of one column-major
     # tensor: one product a step.
     columns = linear.qkv_columns
@@ -840,14 +830,10 @@ def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tm
     offsets = [proj.weight.data_ptr() - columns.data_ptr() for proj in linear.fused_parts]
     widths = [proj.out_features for proj in linear.fused_parts]
     assert offsets == [4 * sum(widths[:i]) for i in range(len(widths))]
-    # So are every MLP's gate and up weights (the family's MLP computes down(act(gate(x)) * up(x))).
-    assert all(isinstance(mlp, GateUpMLP) and mlp.gate_up_columns is not None for mlp in mlps)
-    assert all(still_fused(mlp.gate_up_columns, (mlp.gate_proj, mlp.up_proj)) for mlp in mlps)
     assert {name: p for name, p in model.named_parameters()} == before, "the same parameter objects"
     assert model.lm_head.weight is model.model.embed_tokens.weight
     model.save_pretrained(tmp_path)
     assert all(m.weight.is_contiguous() for m in large) and not model.cpu_decode_layout and linear.qkv_columns is None
-    assert all(mlp.gate_up_columns is None for mlp in mlps)
     reloaded = LinearizeForCausalLM.from_pretrained(tmp_path)
     for name, tensor in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
@@ -892,94 +878,6 @@ def test_hedgehog_step_follows_its_parameters(batch):
         torch.testing.assert_close(fmap(x), hedgehog(x, fmap.weight, fmap.bias), rtol=1e-6, atol=1e-7)
         fmap.weight.mul_(3.0)
         torch.testing.assert_close(fmap(x), hedgehog(x, fmap.weight, fmap.bias), rtol=1e-6, atol=1e-7)
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("batch", [1, 3])
-def test_a_steps_paired_hedgehog_maps_equal_the_two_maps(batch):
-    """A decoding step runs phi(q) and phi(k) as one product over both maps' signed weights, joined once:
-    it must equal the two maps apart, and follow a change to either."""
-    model = make_model([LIN, FULL], {"window": 4, "chunk_size": 16})
-    linear = model.model.layers[0].self_attn
-    gen = torch.Generator().manual_seed(3)
-    q = torch.randn(batch, linear.n_heads, 1, linear.head_dim, generator=gen)
-    k = torch.randn(batch, linear.n_kv_heads, 1, linear.head_dim, generator=gen)
-
-    def check() -> None:
-        fq, fk = linear._step_features(q, k)
-        torch.testing.assert_close(fq, linear.feature_map_q(q), rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(fk, linear.feature_map_k(k), rtol=1e-6, atol=1e-7)
-
-    check()
-    made = linear._paired_maps_cache[2]
-    check()
-    assert linear._paired_maps_cache[2] is made
-    linear.feature_map_k.weight.mul_(2.0)
-    check()
-    linear.feature_map_q.bias.data = torch.randn_like(linear.feature_map_q.bias)
-    check()
-    linear.feature_map_k.to(torch.float64)  # maps of another dtype (or on another device, offloaded) run apart
-    made = linear._paired_maps_cache[2]
-    check()
-    assert linear._paired_maps_cache[2] is made
-
-
-def test_rotary_takes_the_half_split_form_only_where_it_is_exact():
-    """Every supported family's `apply_rotary_pos_emb` gives exactly `half_rotary`'s result, in fp32 and bf16;
-    a function that computes in another dtype keeps its own; partial rotary goes to the family's function."""
-    import importlib
-
-    from linearize.modeling.families import FAMILIES
-
-    for family in FAMILIES:
-        module = importlib.import_module(f"transformers.models.{family.removesuffix('_text')}.modeling_{family.removesuffix('_text')}")
-        assert modeling_linearize.rotates_like_half_rotary(module.apply_rotary_pos_emb), family
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    def upcast(q, k, cos, sin):
-        out = apply_rotary_pos_emb(q.float(), k.float(), cos.float(), sin.float())
-        return out[0].to(q.dtype), out[1].to(k.dtype)
-
-    assert not modeling_linearize.rotates_like_half_rotary(upcast)
-    gen = torch.Generator().manual_seed(4)
-    q, k = torch.randn(2, 4, 5, 16, generator=gen), torch.randn(2, 2, 5, 16, generator=gen)
-    angles = torch.randn(2, 5, 8, generator=gen).repeat(1, 1, 2)
-    linear = make_model([LIN, FULL], {"window": 4, "chunk_size": 16}).model.layers[0].self_attn
-    got, want = linear.apply_rotary(q, k, angles.cos(), angles.sin()), apply_rotary_pos_emb(q, k, angles.cos(), angles.sin())
-    assert linear.apply_rotary.func is modeling_linearize.half_rotary and all(map(torch.equal, got, want))
-    calls = []
-    rotary = functools.partial(modeling_linearize.half_rotary, family_rotary=lambda *args: calls.append(args) or args[:2])
-    rotary(q, k, angles.cos()[..., :8], angles.sin()[..., :8])  # narrower than the head: the family's own
-    assert len(calls) == 1
-
-
-@torch.no_grad()
-def test_only_an_mlp_computing_the_gated_formula_takes_the_fused_product():
-    """`gate_up_mlp_class` checks each MLP class once against down(act(gate(x)) * up(x)); a class that computes
-    anything else keeps its own forward, and a fused MLP whose weights were replaced falls back to it."""
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
-    model = make_model([LIN, FULL], {"window": 4, "chunk_size": 16})
-    mlp = model.model.layers[0].mlp
-    assert type(mlp) is LlamaMLP
-
-    class ScaledMLP(LlamaMLP):
-        def forward(self, x):
-            return 0.5 * super().forward(x)
-
-    other = copy.deepcopy(mlp)
-    other.__class__ = ScaledMLP
-    assert cpu_layout_linearize.gate_up_mlp_class(other) is None
-    gated = cpu_layout_linearize.gate_up_mlp_class(mlp)
-    assert gated is not None and issubclass(gated, GateUpMLP) and issubclass(gated, LlamaMLP)
-    x = torch.randn(1, 1, mlp.gate_proj.in_features)
-    want = mlp(x)
-    mlp.__class__ = gated
-    mlp.gate_up_columns = cpu_layout_linearize.fuse_columns((mlp.gate_proj, mlp.up_proj))
-    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-6)
-    mlp.up_proj.weight.data = mlp.up_proj.weight.data.contiguous() * 2  # replaced: the columns are stale
-    torch.testing.assert_close(mlp(x), LlamaMLP.forward(mlp, x))
-    assert mlp.gate_up_columns is None
 
 
 def test_a_fused_projection_left_stale_by_a_conversion_is_dropped():
@@ -1041,7 +939,6 @@ def test_compiled_decoding_generates_what_the_eager_model_does(layer_types, kind
     assert not model.cpu_decode_layout
     assert any(type(layer) is cache_linearize.ReservedDynamicLayer for layer in out.cache.layers) == (FULL in layer_types)
     assert not any(x.is_inference() for x in cache_tensors(out.cache)), "the graph ran in inference mode, writing in place"
-    assert out.cache.layers[0].joined is None, "a compiled step reads sinks and ring apart"
 
 
 def test_symbolic_step_sizes_keeps_the_users_dynamic_sources_and_needs_none_from_an_older_torch(monkeypatch):
