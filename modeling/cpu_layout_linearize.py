@@ -112,6 +112,9 @@ class FusedProjections:
     """q/k/v (and the low-rank gate's first projection) as one column-major tensor for eager CPU steps,
     mixed into `LinearAttention`, whose `_project` asks `_fused_project` first."""
 
+    qkv_columns: torch.Tensor | None = None  # q/k/v_proj's weights as one tensor (`lay_out_projections`)
+    fused_parts: tuple[nn.Module, ...] = ()  # the linears whose weights are its column slices, in order
+
     def lay_out_projections(self, fused: bool) -> None:
         """With `fused`, q/k/v_proj's weights become column slices of one column-major [in, q + k + v] tensor,
         `qkv_columns`, so an eager CPU decoding step projects with one split GEMV instead of three: 1.6 ms

@@ -1,7 +1,8 @@
 """Decoding: what a step of generation needs beyond the general forward, eager and compiled.
 
-- `GLAStep`: a GLA layer's one-token step with its window (the mixin `LinearAttention` takes it from),
-  written for op count, with the ring written in place; `LinearAttention._attend` hands it the token.
+- `DecodingStep`: a linear layer's one-token steps (the mixin `LinearAttention` takes them from), written
+  for op count, with the window's ring written in place: `_gla_step` for GLA with a window, `_ring_step`
+  for the window of any other kind.
 - `derived`: transforms of parameters an eager step would otherwise recompute every token.
 - `split_decode_attention`: one CPU query over a long softmax cache, each KV head's cache read once.
 - `DecodingRuntime`: how `LinearizeForCausalLM` (which mixes it in) runs a step: the compiled graph of
@@ -93,13 +94,28 @@ def sinks_settled(last_sink: int | None, start: int, window: int, step: bool) ->
     return not (step and torch.compiler.is_compiling()) and last_sink is not None and last_sink < start - window
 
 
-class GLAStep:
-    """The decoding step of a GLA layer with a window and the shared normalizer, mixed into `LinearAttention`.
-
-    What `LinearAttention._attend` computes for one token, with nothing cloned: it reads the layer's
-    settings (`kind`, `window`, `sink`, ...) and its general helpers (`_state`, `_store`, `_decay`,
-    `_query_features`, `_key_features`, `_share_normalizer`).
+class DecodingStep:
+    """A linear layer's one-token steps, mixed into `LinearAttention`, whose settings (`kind`, `window`, `sink`, ...)
+    and general helpers (`_state`, `_store`, `_decay`, `_query_features`, `_key_features`, `_share_normalizer`)
+    they read: `_gla_step`, the whole step of a GLA layer with a window, nothing cloned; `_ring_step`, the
+    window's part of any other kind's step, its ring written in place.
     """
+
+    def _ring_step(self, cache, q, k, v, extra, valid, sinks, positions, start: int):
+        """One token through the window's ring (`LinearAttention._through_window`): the leaving token's key, value,
+        extra payload and validity are read from its slot, the new token is written there, and the window's softmax
+        terms are computed over the ring. `positions` is None once the sinks are settled (all visible).
+        Returns (k_out, v_out, extra_out, valid_out, window terms)."""
+        ring, ring_extra, ring_valid = (self._state(cache, name) for name in ("window_kv", "window_payload", "window_valid"))
+        here, extra_out = ring_slot(start, self.window, q.device), None
+        (k_out, v_out), valid_out = ring[:, :, :, here].clone().unbind(2), ring_valid[:, here].clone()
+        ring[:, :, :, here], ring_valid[:, here] = torch.stack([k, v], dim=2), valid
+        if extra is not None:
+            extra_out = ring_extra[:, :, here].clone()
+            ring_extra[:, :, here] = extra
+        visible = None if sinks is None or positions is None else sink_visibility(sinks[2], positions, self.window)[:, 0, 0, 0]
+        terms = window_step_terms(q, ring[:, :, 0], ring[:, :, 1], ring_valid, self.scaling, sinks and sinks[:2], visible)
+        return k_out, v_out, extra_out, valid_out, terms
 
     def _has_gla_step(self) -> bool:
         """Whether this layer's kind and settings have `_gla_step` (GLA, a window, the shared normalizer)."""

@@ -63,16 +63,14 @@ from ..kernels.ops import NORMALIZER_EPS, gated_delta_rule, gated_linear_attenti
 from ..kernels.window_torch import (  # noqa: E402
     shift_into_state,
     sink_leaving,
-    sink_visibility,
     update_sinks,
     window_band,
     window_softmax_terms,
-    window_step_terms,
 )
 from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
 from .cache_linearize import LinearizeCacheLayer, adopt_layers, has_state, record_seen, tokens_seen  # noqa: E402
 from .cpu_layout_linearize import FusedProjections  # noqa: E402
-from .decoding_linearize import DecodingRuntime, GLAStep, SoftmaxAttentionConfig, derived, ring_slot, sinks_settled  # noqa: E402
+from .decoding_linearize import DecodingRuntime, DecodingStep, SoftmaxAttentionConfig, derived, sinks_settled  # noqa: E402
 from .families import Family, family_of  # noqa: E402
 
 SDPA_GROUPS = is_torch_greater_or_equal("2.5")  # SDPA's enable_gqa: query groups share their KV head uncopied
@@ -252,7 +250,7 @@ def transfer_mse(out: torch.Tensor, teacher: torch.Tensor, late_weight: float = 
     return (per_position * weight).sum() / weight.sum()
 
 
-class LinearAttention(GLAStep, FusedProjections, nn.Module):
+class LinearAttention(DecodingStep, FusedProjections, nn.Module):
     """Linear attention on the teacher's projections: GLA or Performer, optionally with a softmax window.
 
     o_t = phi(q_t)^T S_t (/ phi(q_t)^T z_t), S_t = diag(a_t) S_{t-1} + phi(k_t) v_t^T. With a window
@@ -314,8 +312,6 @@ class LinearAttention(GLAStep, FusedProjections, nn.Module):
         self.transfer_late_weight = 0.0  # > 0: the transfer MSE weighs position t of T by 1 + w * t / T
         self.teacher_attention = False  # run the teacher's softmax instead (training's KL target, the teacher's scores)
         self.checkpoint_linear = False  # recompute the linear path in backward (inside a recomputed decoder layer)
-        self.qkv_columns: torch.Tensor | None = None  # q/k/v_proj's weights as one tensor (`lay_out_projections`)
-        self.fused_parts: tuple[nn.Module, ...] = ()  # the linears whose weights are its column slices, in order
         D = self.head_dim
         if self.map_name == "hedgehog":
             width = settings["feature_dim"] or D
@@ -584,9 +580,8 @@ class LinearAttention(GLAStep, FusedProjections, nn.Module):
         With `terms` off, only the cache is updated (the caller attends itself) and the terms are None.
 
         The cache keeps the last W tokens' keys and values (and the rest of their payload) as a ring:
-        position t sits in slot t % W. A decoding step (one token, no gradient) reads the leaving token
-        from its slot and writes the new one there, in place; other steps put the ring in time order,
-        run, and store it back.
+        position t sits in slot t % W. A decoding step (one token, no gradient) swaps its token in where
+        the leaving one was (`_ring_step`); other steps put the ring in time order, run, and store it back.
         """
         B, T, W = q.shape[0], q.shape[2], self.window
         extras = [x for x in payload if x is not k and x is not v]  # kept beside k and v until they enter
@@ -598,17 +593,7 @@ class LinearAttention(GLAStep, FusedProjections, nn.Module):
         positions = None if step and sinks_behind else torch.arange(start, start + T, device=q.device)
         sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None
         if step:
-            here = ring_slot(start, W, q.device)
-            (k_out, v_out), valid_out = ring[:, :, :, here].clone().unbind(2), ring_valid[:, here].clone()
-            ring[:, :, :, here], ring_valid[:, here] = torch.stack([k, v], dim=2), valid
-            if extra is not None:
-                extra_out = ring_extra[:, :, here].clone()
-                ring_extra[:, :, here] = extra
-            visible = None if sinks is None or sinks_behind else sink_visibility(sinks[2], positions, W)[:, 0, 0, 0]
-            window_terms = window_step_terms(
-                q, ring[:, :, 0], ring[:, :, 1], ring_valid, self.scaling, sinks and sinks[:2], visible
-            )
-            valid = valid_out
+            k_out, v_out, extra_out, valid, window_terms = self._ring_step(cache, q, k, v, extra, valid, sinks, positions, start)
         else:
             parts, key_valid = [k, v] + ([extra] if extra is not None else []), valid
             if cache is not None:  # in time order, the window's last W tokens (zeros, marked invalid, before any)
