@@ -34,6 +34,7 @@ class LinearizeCacheLayer(LinearAttentionLayer):
     def _clear(self) -> None:
         self.seen = 0  # tokens taken in, padding included (the same for every row)
         self.last_sink: int | None = None  # the position of the last sink once every row's sinks are full
+        self.valid_since = 0  # real tokens start here: before it, ring slots may hold padding
 
     def reset(self) -> None:
         super().reset()

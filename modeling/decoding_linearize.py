@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..kernels.feature_maps import hedgehog_step
 from ..kernels.ops import gated_linear_attention
 from ..kernels.window_torch import sink_leaving, sink_visibility, window_step_terms
 from .cache_linearize import LinearizeCacheLayer, ReservedDynamicLayer, has_state, record_seen, tokens_seen
@@ -87,6 +88,12 @@ def ring_slot(position: int, window: int, device: torch.device) -> slice | torch
     return torch.full((1,), slot, device=device) if torch.compiler.is_compiling() else slice(slot, slot + 1)
 
 
+def padding_free(attention_mask: torch.Tensor, tokens: int) -> bool:
+    """Whether the last `tokens` of a 2D mask are all real, where finding out costs no device sync (a CPU mask,
+    no autograd): the eager step then reads and writes no validity (`DecodingStep._gla_step`). Elsewhere False."""
+    return not torch.is_grad_enabled() and attention_mask.device.type == "cpu" and bool(attention_mask[:, -tokens:].all())
+
+
 def sinks_settled(last_sink: int | None, start: int, window: int, step: bool) -> bool:
     """Whether every sink is full and older than the oldest token leaving a window of `window` at `start`: all
     visible, none entering the state, so a step needs no positions. A compiled step (`step`) applies the masks
@@ -117,6 +124,20 @@ class DecodingStep:
         terms = window_step_terms(q, ring[:, :, 0], ring[:, :, 1], ring_valid, self.scaling, sinks and sinks[:2], visible)
         return k_out, v_out, extra_out, valid_out, terms
 
+    def _step_features(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """phi(q) and phi(k) of one decoding step (`_gla_step`, no autograd). Eager, Hedgehog's two maps run as one:
+        the query heads and key heads side by side through one product and one softmax, over their signed weights
+        joined once (`derived`), where two maps take twice the ops (each op of a CPU step costs µs)."""
+        maps = (self.feature_map_q, self.feature_map_k) if self.map_name == "hedgehog" else ()
+        sources = tuple(t for m in maps for t in (m.weight, m.bias))
+        # Offloaded maps (accelerate's hooks on each module) hold their weights only inside their own forward.
+        if not maps or torch.compiler.is_compiling() or any(t.device != q.device or t.dtype != q.dtype for t in (k, *sources)):
+            return self._query_features(q), self._key_features(k)
+        weight, bias = derived(
+            self, "_paired_maps_cache", sources, lambda: tuple(torch.cat(pair) for pair in zip(maps[0].signed(), maps[1].signed()))
+        )
+        return hedgehog_step(torch.cat([q, k], dim=1), weight, bias).split([q.shape[1], k.shape[1]], dim=1)
+
     def _has_gla_step(self) -> bool:
         """Whether this layer's kind and settings have `_gla_step` (GLA, a window, the shared normalizer)."""
         return (
@@ -144,28 +165,34 @@ class DecodingStep:
         cores, weights streaming between them), so the step is written for op count: the token that
         leaves the ring enters the state (updated in place) before the new token takes its slot, its
         value read where it lies (a padding token adds nothing: its key features are zeroed), and the
-        sinks are read as cached. While sinks are still inside the window (a prompt shorter than sinks +
+        sinks are read as cached. Eager, when the token and every token in the ring are real (no padding
+        since `valid_since`, see `padding_free`), no validity is read or written. While sinks are still inside the window (a prompt shorter than sinks +
         window), the ring holds them too: their own copies stay hidden until they leave it, and a sink
         leaving the ring does not enter the state. A compiled step always applies the sinks' masks (all true later), so one graph serves both.
         """
         here = ring_slot(start, self.window, q.device)
         ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
         unrotated = self._state(cache, "window_payload") if k_feat is not k else None
-        keep = ring_valid[:, None, here, None]  # the leaving token is real (not padding)
+        compiling = torch.compiler.is_compiling()
+        all_valid = (  # not in a compiled graph: guards on the position would recompile it
+            padding is None and not compiling and start - self.window >= layer.valid_since
+        )
+        keep = None if all_valid else ring_valid[:, None, here, None]  # the leaving token is real (not padding)
         visible = None  # [B, S]: which sinks the query sees (None: all)
-        if self.sink and (torch.compiler.is_compiling() or layer.last_sink >= start - self.window):
+        if self.sink and (compiling or layer.last_sink >= start - self.window):
             sink_positions, position = self._state(cache, "sink_positions"), torch.full((1,), start, device=q.device)
             visible = sink_visibility(sink_positions, position, self.window)[:, 0, 0, 0]
-            keep = keep & ~sink_leaving(sink_positions, position, self.window)[:, None, :, None]
+            not_sink = ~sink_leaving(sink_positions, position, self.window)[:, None, :, None]
+            keep = not_sink if keep is None else keep & not_sink
         leaving = ring[:, :, 0, here] if unrotated is None else unrotated[:, :, here]
         g = self._decay(hidden_states, k, low_rank)
         memory = self._state(cache, "memory")
-        fq, leaving = self._query_features(q_feat), self._key_features(leaving)
+        fq, leaving = self._step_features(q_feat, leaving)
         o, state = gated_linear_attention(
             fq,
-            leaving * keep,
+            leaving if keep is None else leaving * keep,
             ring[:, :, 1, here],
-            g if g is None else g * keep,
+            g if g is None or keep is None else g * keep,
             scale=self.scaling if self.map_name == "identity" else 1.0,
             normalize=True,
             divide=False,
@@ -175,7 +202,8 @@ class DecodingStep:
         if state is not memory:
             self._store(cache, "memory", state)
         ring[:, :, :, here] = torch.stack([k, v], dim=2)
-        ring_valid[:, here] = True if padding is None else padding[:, -1:].bool()
+        if not all_valid:
+            ring_valid[:, here] = True if padding is None else padding[:, -1:].bool()
         if unrotated is not None:
             unrotated[:, :, here] = k_feat
         sinks = self._state(cache, "sink_kv") if self.sink else None
@@ -183,7 +211,7 @@ class DecodingStep:
             q,
             ring[:, :, 0],
             ring[:, :, 1],
-            ring_valid,
+            None if all_valid else ring_valid,
             self.scaling,
             None if sinks is None else sinks.unbind(2),
             visible,

@@ -70,7 +70,7 @@ from ..kernels.window_torch import (  # noqa: E402
 from .configuration_linearize import LINEAR, STATES, LinearizeConfig, base_config_class  # noqa: E402
 from .cache_linearize import LinearizeCacheLayer, adopt_layers, has_state, record_seen, tokens_seen  # noqa: E402
 from .cpu_layout_linearize import FusedProjections  # noqa: E402
-from .decoding_linearize import DecodingRuntime, DecodingStep, SoftmaxAttentionConfig, derived, sinks_settled  # noqa: E402
+from .decoding_linearize import DecodingRuntime, DecodingStep, SoftmaxAttentionConfig, derived, padding_free, sinks_settled  # noqa: E402
 from .families import Family, family_of  # noqa: E402
 
 SDPA_GROUPS = is_torch_greater_or_equal("2.5")  # SDPA's enable_gqa: query groups share their KV head uncopied
@@ -814,6 +814,19 @@ class LinearizePreTrainedModel(PreTrainedModel):
         self._check_cache(cache)
         return cache
 
+    def _note_padding(self, cache: Cache | None, attention_mask: torch.Tensor | None, embeds, kwargs: dict) -> None:
+        """Tell the linear layers whether the new tokens of `embeds` (ids or embeddings) may include padding: a
+        mask known to be all real (`padding_free`) is dropped, and the layers treat every token as real. Otherwise
+        each linear layer's cache records that real tokens start after these (`valid_since`)."""
+        if cache is None or attention_mask is None or attention_mask.ndim != 2 or embeds is None:
+            return
+        if padding_free(attention_mask, embeds.shape[1]):
+            kwargs[PADDING_KWARG] = None
+            return
+        for attention in self.linear_attentions:
+            layer = cache.layers[attention.layer_idx]
+            layer.valid_since = tokens_seen(layer) + embeds.shape[1]
+
     def _hybrid_inputs(self, embeds, attention_mask, position_ids, cache, kwargs: dict):
         """The family forward's mask and positions, with the 2D padding mask passed on to the linear layers.
 
@@ -874,6 +887,7 @@ class LinearizeModel(LinearizePreTrainedModel):
         """The family's forward, with the hybrid cache, the padding mask for linear layers and per-layer attentions."""
         cache = self._hybrid_cache(cache, use_cache)
         embeds = inputs_embeds if inputs_embeds is not None else input_ids
+        self._note_padding(cache, attention_mask, embeds, kwargs)
         attention_mask, position_ids = self._hybrid_inputs(embeds, attention_mask, position_ids, cache, kwargs)
         return_dict = kwargs.pop("return_dict", None)
         out = super().forward(
@@ -922,6 +936,7 @@ class LinearizeForCausalLM(DecodingRuntime, LinearizePreTrainedModel, Generation
         cache = self._hybrid_cache(cache, use_cache)
         embeds = inputs_embeds if inputs_embeds is not None else input_ids
         forward, in_place = self._decoding_path(cache, embeds)
+        self._note_padding(cache, attention_mask, embeds, kwargs)
         return_dict = kwargs.pop("return_dict", None)
         args = (input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep)
         out = self._run_step(forward, args, kwargs) if in_place else forward(*args, **kwargs)
