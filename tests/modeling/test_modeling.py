@@ -36,7 +36,7 @@ import linearize.modeling.cache_linearize as cache_linearize
 import linearize.modeling.cpu_layout_linearize as cpu_layout_linearize
 import linearize.modeling.decoding_linearize as decoding_linearize
 import linearize.modeling.modeling_linearize as modeling_linearize
-from linearize.modeling.cpu_layout_linearize import SplitGemvLinear
+from linearize.modeling.cpu_layout_linearize import GateUpMLP, SplitGemvLinear, still_fused
 from linearize.modeling.cache_linearize import LinearizeCacheLayer, ReservedDynamicLayer
 from linearize.modeling.decoding_linearize import SoftmaxAttentionConfig, split_decode_attention
 from linearize.modeling.modeling_linearize import (
@@ -821,7 +821,9 @@ def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tm
     projections = [linear.q_proj, linear.k_proj, linear.v_proj]
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1024]
     assert model.cpu_decode_layout and large and calls
-    assert all(type(m) is SplitGemvLinear and m.weight.t().is_contiguous() for m in large if m not in linear.fused_parts)
+    mlps = [layer.mlp for layer in model.model.layers]
+    fused = [*linear.fused_parts, *(proj for mlp in mlps for proj in (mlp.gate_proj, mlp.up_proj))]
+    assert all(type(m) is SplitGemvLinear and m.weight.t().is_contiguous() for m in large if m not in fused)
     # The linear layer's q/k/v weights and its gate's first projection are column slices of one column-major
     # tensor: one product a step.
     columns = linear.qkv_columns
@@ -832,10 +834,14 @@ def test_cpu_decoding_lays_weights_out_column_major_and_saving_puts_them_back(tm
     offsets = [proj.weight.data_ptr() - columns.data_ptr() for proj in linear.fused_parts]
     widths = [proj.out_features for proj in linear.fused_parts]
     assert offsets == [4 * sum(widths[:i]) for i in range(len(widths))]
+    # So are every MLP's gate and up weights (the family's MLP computes down(act(gate(x)) * up(x))).
+    assert all(isinstance(mlp, GateUpMLP) and mlp.gate_up_columns is not None for mlp in mlps)
+    assert all(still_fused(mlp.gate_up_columns, (mlp.gate_proj, mlp.up_proj)) for mlp in mlps)
     assert {name: p for name, p in model.named_parameters()} == before, "the same parameter objects"
     assert model.lm_head.weight is model.model.embed_tokens.weight
     model.save_pretrained(tmp_path)
     assert all(m.weight.is_contiguous() for m in large) and not model.cpu_decode_layout and linear.qkv_columns is None
+    assert all(mlp.gate_up_columns is None for mlp in mlps)
     reloaded = LinearizeForCausalLM.from_pretrained(tmp_path)
     for name, tensor in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
@@ -910,6 +916,35 @@ def test_a_steps_paired_hedgehog_maps_equal_the_two_maps(batch):
     made = linear._paired_maps_cache[2]
     check()
     assert linear._paired_maps_cache[2] is made
+
+
+@torch.no_grad()
+def test_only_an_mlp_computing_the_gated_formula_takes_the_fused_product():
+    """`gate_up_mlp_class` checks each MLP class once against down(act(gate(x)) * up(x)); a class that computes
+    anything else keeps its own forward, and a fused MLP whose weights were replaced falls back to it."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    model = make_model([LIN, FULL], {"window": 4, "chunk_size": 16})
+    mlp = model.model.layers[0].mlp
+    assert type(mlp) is LlamaMLP
+
+    class ScaledMLP(LlamaMLP):
+        def forward(self, x):
+            return 0.5 * super().forward(x)
+
+    other = copy.deepcopy(mlp)
+    other.__class__ = ScaledMLP
+    assert cpu_layout_linearize.gate_up_mlp_class(other) is None
+    gated = cpu_layout_linearize.gate_up_mlp_class(mlp)
+    assert gated is not None and issubclass(gated, GateUpMLP) and issubclass(gated, LlamaMLP)
+    x = torch.randn(1, 1, mlp.gate_proj.in_features)
+    want = mlp(x)
+    mlp.__class__ = gated
+    mlp.gate_up_columns = cpu_layout_linearize.fuse_columns((mlp.gate_proj, mlp.up_proj))
+    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-6)
+    mlp.up_proj.weight.data = mlp.up_proj.weight.data.contiguous() * 2  # replaced: the columns are stale
+    torch.testing.assert_close(mlp(x), LlamaMLP.forward(mlp, x))
+    assert mlp.gate_up_columns is None
 
 
 def test_a_fused_projection_left_stale_by_a_conversion_is_dropped():
