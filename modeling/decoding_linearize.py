@@ -108,12 +108,12 @@ class DecodingStep:
     window's part of any other kind's step, its ring written in place.
     """
 
-    def _ring_step(self, cache, q, k, v, extra, valid, sinks, positions, start: int):
-        """One token through the window's ring (`LinearAttention._through_window`): the leaving token's key, value,
-        extra payload and validity are read from its slot, the new token is written there, and the window's softmax
-        terms are computed over the ring. `positions` is None once the sinks are settled (all visible).
-        Returns (k_out, v_out, extra_out, valid_out, window terms)."""
-        ring, ring_extra, ring_valid = (self._state(cache, name) for name in ("window_kv", "window_payload", "window_valid"))
+    def _ring_step(self, ring, ring_extra, ring_valid, q, k, v, extra, valid, sinks, positions, start: int):
+        """One token through the window's ring (`LinearAttention._through_window`, which hands over the cached ring,
+        its extra payload and validity): the leaving token's key, value, extra payload and validity are read from its
+        slot, the new token is written there, and the window's softmax terms are computed over the ring.
+        `positions` is None once the sinks are settled (all visible). Returns (k_out, v_out, extra_out, valid_out,
+        window terms)."""
         here, extra_out = ring_slot(start, self.window, q.device), None
         (k_out, v_out), valid_out = ring[:, :, :, here].clone().unbind(2), ring_valid[:, here].clone()
         ring[:, :, :, here], ring_valid[:, here] = torch.stack([k, v], dim=2), valid
@@ -166,9 +166,10 @@ class DecodingStep:
         leaves the ring enters the state (updated in place) before the new token takes its slot, its
         value read where it lies (a padding token adds nothing: its key features are zeroed), and the
         sinks are read as cached. Eager, when the token and every token in the ring are real (no padding
-        since `valid_since`, see `padding_free`), no validity is read or written. While sinks are still inside the window (a prompt shorter than sinks +
-        window), the ring holds them too: their own copies stay hidden until they leave it, and a sink
-        leaving the ring does not enter the state. A compiled step always applies the sinks' masks (all true later), so one graph serves both.
+        since `valid_since`, see `padding_free`), no validity is read or written. While sinks are still
+        inside the window (a prompt shorter than sinks + window), the ring holds them too: their own copies
+        stay hidden until they leave it, and a sink leaving the ring does not enter the state. A compiled
+        step always applies these masks (all true later), so one graph serves both.
         """
         here = ring_slot(start, self.window, q.device)
         ring, ring_valid = self._state(cache, "window_kv"), self._state(cache, "window_valid")
@@ -433,4 +434,3 @@ class SoftmaxAttentionConfig:
     def _attn_implementation(self) -> str | None:
         implementation = self.base._attn_implementation
         return SPLIT_DECODE if implementation == "sdpa" else implementation
-

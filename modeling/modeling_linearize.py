@@ -593,7 +593,9 @@ class LinearAttention(DecodingStep, FusedProjections, nn.Module):
         positions = None if step and sinks_behind else torch.arange(start, start + T, device=q.device)
         sinks = self._update_sinks(cache, k, v, positions, valid) if self.sink else None
         if step:
-            k_out, v_out, extra_out, valid, window_terms = self._ring_step(cache, q, k, v, extra, valid, sinks, positions, start)
+            k_out, v_out, extra_out, valid, window_terms = self._ring_step(
+                ring, ring_extra, ring_valid, q, k, v, extra, valid, sinks, positions, start
+            )
         else:
             parts, key_valid = [k, v] + ([extra] if extra is not None else []), valid
             if cache is not None:  # in time order, the window's last W tokens (zeros, marked invalid, before any)
@@ -820,12 +822,13 @@ class LinearizePreTrainedModel(PreTrainedModel):
         each linear layer's cache records that real tokens start after these (`valid_since`)."""
         if cache is None or attention_mask is None or attention_mask.ndim != 2 or embeds is None:
             return
-        if padding_free(attention_mask, embeds.shape[1]):
+        tokens = embeds.shape[1]
+        if padding_free(attention_mask, tokens):
             kwargs[PADDING_KWARG] = None
             return
         for attention in self.linear_attentions:
             layer = cache.layers[attention.layer_idx]
-            layer.valid_since = tokens_seen(layer) + embeds.shape[1]
+            layer.valid_since = tokens_seen(layer) + tokens
 
     def _hybrid_inputs(self, embeds, attention_mask, position_ids, cache, kwargs: dict):
         """The family forward's mask and positions, with the 2D padding mask passed on to the linear layers.
