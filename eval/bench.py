@@ -623,8 +623,10 @@ def run_bench(
 ) -> dict[str, Any]:
     """Bench the student folder (and its teacher) and write `bench.json` + `bench.png` into the folder.
 
-    The teacher defaults to the one the student's config records, and runs as loaded; with
-    `compile_student` the student decodes through `compile_decoding`'s graph. `device` / `dtype` take "auto"
+    The teacher defaults to the one the student's config records. With `compile_student` the student
+    decodes through `compile_decoding`'s graph, and so does a teacher that is itself a linearize export
+    (two exports benched against each other, e.g. before and after a code change, decode alike); any
+    other teacher runs as loaded. `device` / `dtype` take "auto"
     (`models.resolve_device_dtype`); a teacher that is not a linearize export runs no remote code
     unless `trust_remote_code`. `scoring_lengths` (empty: none) adds `bench_scoring`'s batched prefill at
     these lengths and `batch_sizes`. Returns the JSON report with `rows` (see `ratio_rows`), `scoring`
@@ -645,6 +647,7 @@ def run_bench(
     scoring: dict[str, list[dict[str, Any]]] = {}
     loaded: dict[str, PreTrainedModel] = {}
     schedule = "interleaved" if len(specs) > 1 else "one model"
+    decoding = dict.fromkeys(specs, "eager")
 
     def bench_loaded() -> None:
         points.update(bench_models(loaded, contexts, batch_sizes, decode_tokens, progress=progress))
@@ -665,8 +668,9 @@ def run_bench(
         loaded[role], _, _ = load(
             spec, device=device, dtype=torch_dtype, with_tokenizer=False, trust_remote_code=trust_remote_code
         )
-        if role == "student" and compile_student:
+        if compile_student and hasattr(loaded[role], "compile_decoding"):
             loaded[role].compile_decoding()
+            decoding[role] = "compiled"
     bench_loaded()
     rows = ratio_rows(points["student"], points.get("teacher"))
     sampled = bandwidth_range(points)
@@ -680,7 +684,8 @@ def run_bench(
         "contexts": list(contexts),
         "batch_sizes": list(batch_sizes),
         "decode_tokens": decode_tokens,
-        "student_decoding": "compiled" if compile_student else "eager",
+        "student_decoding": decoding["student"],
+        "teacher_decoding": decoding.get("teacher"),
         "schedule": schedule,
         "read_bandwidth_range_gb_s": None if sampled is None else [b / 1e9 for b in sampled],
         "points": points,

@@ -197,7 +197,8 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="decode the student through torch.compile (its compile_decoding); the teacher runs as loaded",
+        help="decode the student through torch.compile (its compile_decoding), and the teacher too when it is "
+        "a linearize export (--teacher OTHER_EXPORT compares two exports alike); any other teacher runs as loaded",
     )
     _common(p)
     return p
@@ -235,7 +236,8 @@ def bench_main(argv: list[str] | None = None) -> int:
             console.print(render_scoring_table(report["scoring"]))
         console.print(
             f"{report['device']}, {report['dtype']}, student decoding {report['student_decoding']}, "
-            f"decode rounds {report['schedule']}, "
+            + (f"teacher decoding {report['teacher_decoding']}, " if report["teacher_decoding"] else "")
+            + f"decode rounds {report['schedule']}, "
             f"{_bandwidth_note(report['read_bandwidth_range_gb_s'])}; "
             f"wrote {report['paths']['json']} and {report['paths']['png']}"
         )

@@ -232,3 +232,34 @@ def test_compile_is_refused_only_for_model_code_without_compiled_decoding(tmp_pa
         _check_compilable(tmp_path)
     (tmp_path / "decoding_linearize.py").write_text("class DecodingRuntime:\n    def compile_decoding(self): ...\n")
     _check_compilable(tmp_path)
+
+
+def test_compile_decodes_a_teacher_that_is_a_linearize_export_compiled_too(tmp_path, monkeypatch, tiny_linearize):
+    """Two exports benched against each other (before and after a code change) decode alike; a plain teacher as loaded."""
+    import linearize.eval.bench as bench
+    import linearize.eval.models as models
+
+    compiled: list[str] = []
+
+    def load(spec: str, **kwargs):
+        if spec == "plain":
+            return LlamaForCausalLM(tiny_config()).eval(), None, spec
+        model = tiny_linearize(["linear_attention", "full_attention"])
+        model.compile_decoding = lambda: compiled.append(spec)
+        return model, None, spec
+
+    monkeypatch.setattr(models, "load", load)
+    student = tmp_path / "new"
+    student.mkdir()
+    (student / "config.json").write_text("{}")
+    (student / "decoding_linearize.py").write_text("class DecodingRuntime:\n    def compile_decoding(self): ...\n")
+    common = dict(contexts=[16], batch_sizes=[1], decode_tokens=2, progress=False, compile_student=True, scoring_lengths=[])
+    report = bench.run_bench(student, teacher="old", **common)
+    assert compiled == [str(student), "old"]
+    assert (report["student_decoding"], report["teacher_decoding"]) == ("compiled", "compiled")
+    compiled.clear()
+    report = bench.run_bench(student, teacher="plain", **common)
+    assert compiled == [str(student)]
+    assert (report["student_decoding"], report["teacher_decoding"]) == ("compiled", "eager")
+    report = bench.run_bench(student, teacher="plain", **{**common, "compile_student": False})
+    assert (report["student_decoding"], report["teacher_decoding"]) == ("eager", "eager")
