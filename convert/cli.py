@@ -71,6 +71,12 @@ def convert_parser() -> argparse.ArgumentParser:
         help="let the ratio convert sliding-window layers too (by default it counts the global layers and keeps sliding ones softmax)",
     )
     plan.add_argument("--keep-softmax", action=ListOption, help="comma-separated layers that always keep softmax, e.g. 0,1 ('' for none)")
+    plan.add_argument(
+        "--scores-from",
+        metavar="DIR",
+        help="rank the layers by an earlier export's scores for this placement (same teacher and attention settings) "
+        "instead of measuring them again: one kl or measured pass serves every ratio",
+    )
     att = p.add_argument_group("linear attention")
     att.add_argument("--attention", choices=["gla", "performer", "deltanet"], help="kind of linear attention")
     att.add_argument("--feature-map", choices=["hedgehog", "elu", "identity", "taylor", "performer"])
@@ -153,15 +159,16 @@ def _csv(text: str | None, flag: str, cast=str, example: str = "0,1,2") -> list 
 def recipe_from_args(args: argparse.Namespace):
     """The recipe the flags describe: --recipe or the model's default recipe, with flags on top."""
     from ..modeling.configuration_linearize import POSITIVE_FEATURE_MAPS
-    from .pipeline import apply_overrides, default_recipe
+    from .pipeline import apply_overrides, default_recipe, scores_from
     from .recipes import load_recipe
 
     if args.recipe is None and args.model is None:
         raise ValueError("nothing to convert: pass --model (e.g. --model llama) or --recipe")
     recipe = load_recipe(args.recipe) if args.recipe else default_recipe(args.model)
-    # A recipe's measured plan belongs to its ratio and placement: asking for others re-plans.
+    # A recipe's measured plan belongs to its ratio, placement and scores: asking for others re-plans.
     replan = (
-        args.ratio not in (None, recipe.layers.ratio)
+        bool(args.scores_from)
+        or args.ratio not in (None, recipe.layers.ratio)
         or args.placement not in (None, recipe.layers.placement)
         or args.model not in (None, recipe.model, recipe.name, *recipe.aliases)
     )
@@ -217,7 +224,10 @@ def recipe_from_args(args: argparse.Namespace):
         ):
             value = getattr(args, flag)
             overrides[f"{stage}.{key}"] = _lengths(value) if flag == "seq_len" and value is not None else value
-    return apply_overrides(recipe, overrides)
+    recipe = apply_overrides(recipe, overrides)
+    if args.scores_from:
+        recipe = apply_overrides(recipe, {"layers.scores": scores_from(args.scores_from, recipe)})
+    return recipe
 
 
 def default_output(recipe) -> str:

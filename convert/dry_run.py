@@ -101,9 +101,9 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     n_layers = base.num_hidden_layers
     layers = recipe.layers
     linear = layers.linear_layers or (layers.measured if layers.placement in SCORED else None)
-    placement = "spread" if layers.placement in SCORED else layers.placement
+    placement = "spread" if layers.placement in SCORED and layers.scores is None else layers.placement
     types = plan_layers(
-        n_layers, layers.ratio, placement, linear, layers.keep_softmax, None, *sliding_plan(config, layers)
+        n_layers, layers.ratio, placement, linear, layers.keep_softmax, layers.scores, *sliding_plan(config, layers)
     )
     with torch.device("meta"):
         teacher = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -135,7 +135,7 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     finetune_rows = max(min(finetune.batch_size * finetune.seq_lens[0], finetune_pass), finetune_longest)
     loss_chunks = 3 * LOSS_CHUNK_TOKENS * base.vocab_size * 4
     probe_tokens = probe_length(window, getattr(base, "max_position_embeddings", None))
-    scored = layers.placement == "retrieval" and not linear
+    scored = layers.placement == "retrieval" and not linear and layers.scores is None
     limit = getattr(base, "max_position_embeddings", None) or recipe.eval.heldout_seq_len
     heldout_lengths = sorted({n for n in (*recipe.eval.contexts, recipe.eval.heldout_seq_len) if n <= limit})
     extra = {
@@ -185,7 +185,7 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     heldout = recipe.eval.heldout_tokens
     # measured and kl placement: a short transfer of every layer as linear (all new parameters trained),
     # then kl's forward with each layer restored in turn (and both ends), its KL over the head's logits.
-    ranked = layers.placement in ("measured", "kl") and not linear
+    ranked = layers.placement in ("measured", "kl") and not linear and layers.scores is None
     every_linear = 2 * body + _attention_flops(base, transfer_len, 0, 0) + _attention_flops(base, transfer_len, n_layers, window)
     rank_tokens = min(MEASURE_TOKENS, transfer.tokens or MEASURE_TOKENS)
     rank_flops = (2 * every_linear + 6 * new * n_layers / max(n_linear, 1)) * rank_tokens

@@ -146,6 +146,45 @@ def _spec(model: str) -> str:
     return source.spec if source.kind in ("embedded", "hub") else str(Path(source.location).resolve())
 
 
+def scores_from(folder: str | Path, recipe: Recipe) -> list[float]:
+    """An earlier export's ranking for `recipe`'s placement, one score per layer, for `layers.scores`.
+
+    A ranking depends on the teacher and the linear attention's settings, not on the ratio, so an export
+    of the same teacher with the same settings lends its scores to any ratio; anything else is refused.
+    """
+    kind = SCORE_OF.get(recipe.layers.placement)
+    if kind is None:
+        raise ValueError(
+            f"--scores-from reuses a scored placement's ranking, and this run's placement is {recipe.layers.placement!r}: "
+            f"add --placement {' or '.join(SCORED)}"
+        )
+    path = Path(folder).expanduser()
+    report_path = path / "report.json" if path.is_dir() else path
+    if not report_path.is_file():
+        raise FileNotFoundError(f"--scores-from {folder}: no report.json there: pass a folder that `linearize` converted")
+    try:
+        report = json.loads(report_path.read_text())
+        source, attention, n_layers = report["model"], report["attention"], len(report["layer_types"])
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"--scores-from {folder}: its report.json is not a conversion report ({err}): convert it again") from None
+    scores = report.get(kind) or {}
+    if not scores:
+        raise ValueError(
+            f"--scores-from {folder}: it holds no {kind}: pass an export converted with --placement {recipe.layers.placement}"
+        )
+    spec = _spec(recipe.model)
+    if source != spec:
+        raise ValueError(f"--scores-from {folder}: it was converted from {source}, not {spec}: pass an export of this model")
+    settings = recipe.linear_attention()
+    differ = sorted(k for k in {*settings, *attention} if settings.get(k) != attention.get(k))
+    if differ:
+        raise ValueError(
+            f"--scores-from {folder}: it ranked its layers with other attention settings ({', '.join(differ)}): "
+            "convert with its settings, or drop --scores-from to measure the ranking again"
+        )
+    return [float(scores.get(str(i), 0.0)) for i in range(n_layers)]
+
+
 def _fingerprint(recipe: Recipe, model: str) -> str:
     text = json.dumps({"recipe": recipe.to_dict(), "model": model}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -323,8 +362,13 @@ def check_inputs(
     check_supported(config)
     n_layers = config.get_text_config().num_hidden_layers
     layers = recipe.layers
-    placement = "spread" if layers.placement in SCORED else layers.placement  # the scores come later
-    plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax, None, *sliding_plan(config, layers))
+    if layers.scores is not None and len(layers.scores) != n_layers:
+        raise ValueError(
+            f"recipe key 'layers.scores' holds {len(layers.scores)} scores but the model has {n_layers} layers: "
+            "take them from an export of this model (--scores-from DIR)"
+        )
+    placement = "spread" if layers.placement in SCORED and layers.scores is None else layers.placement  # scores come later
+    plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax, layers.scores, *sliding_plan(config, layers))
     if output is not None:
         check_space(output, loaded_weight_bytes(teacher, config, recipe, device))  # the student keeps these and adds a few
 
@@ -397,6 +441,9 @@ def select_layers(
         linear = layers.measured
         logger.info("using the recipe's kept %s plan", layers.placement)
     kind = SCORE_OF.get(layers.placement)
+    if kind and layers.scores is not None and not linear and not getattr(selection, kind):
+        setattr(selection, kind, dict(enumerate(layers.scores)))
+        logger.info("ranking the layers by the recipe's %s scores instead of measuring them", layers.placement)
     if layers.placement in ("measured", "kl") and not linear and not getattr(selection, kind):
         logger.info("training every layer as linear with a short attention transfer, to rank the layers")
         # `measured` ranks with the feature maps on RoPE'd q/k, as the teacher sees them: that ranking measured

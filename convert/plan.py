@@ -44,6 +44,10 @@ class LayerPlan:
     # reused for it instead of measuring again (the transfer ranking is short and noisy); ignored for
     # any other model.
     measured: list[int] | None = None
+    # A scored placement's ranking, one score per layer in layer order, used instead of measuring it.
+    # The ranking depends on the teacher and the attention settings, not on the ratio, so one
+    # measurement serves every ratio (`--scores-from` copies an earlier export's).
+    scores: list[float] | None = None
 
 
 def parse_ratio(text: str) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import yaml
 from ..modeling.configuration_linearize import LINEAR_ATTENTION_DEFAULTS, validate_linear_attention
 from ..options import dtype_name
 from .data import is_offline
-from .plan import PLACEMENTS, LayerPlan, parse_ratio
+from .plan import PLACEMENTS, SCORED, LayerPlan, parse_ratio
 
 
 def auto_dtype(device: torch.device | str) -> torch.dtype:
@@ -198,6 +198,13 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
         raise ValueError(f"recipe key 'layers.sliding' must be 'keep' or 'convert', got {recipe.layers.sliding!r}")
     if recipe.layers.placement not in PLACEMENTS:
         raise ValueError(f"recipe key 'layers.placement' must be one of {', '.join(PLACEMENTS)}, got {recipe.layers.placement!r}")
+    if recipe.layers.scores is not None and recipe.layers.placement not in SCORED:
+        raise ValueError(
+            f"recipe key 'layers.scores' ranks the layers of a scored placement ({', '.join(SCORED)}), "
+            f"not {recipe.layers.placement!r}: set layers.placement (--placement), or remove the scores"
+        )
+    if recipe.layers.scores is not None and not all(math.isfinite(s) for s in recipe.layers.scores):
+        raise ValueError(f"recipe key 'layers.scores' must hold finite numbers, got {recipe.layers.scores!r}")
     for name in ("transfer", "finetune"):
         lengths = getattr(recipe, name).seq_lens
         if not lengths or any(n < 2 for n in lengths):

@@ -174,3 +174,7 @@ def test_ranked_placements_estimate_their_placement_pass(tmp_path, offline):
         seconds[placement] = dry_run.dry_run(recipe, torch.device("cpu"), low_memory=False)["seconds"]["placement pass"]
     assert seconds["spread"] == seconds["retrieval"] == 0
     assert 0 < seconds["measured"] < seconds["kl"]
+    recipe.layers.scores = [0.1, 0.4, 0.2, 0.3]  # an earlier export's ranking: no pass, and its plan
+    estimate = dry_run.dry_run(recipe, torch.device("cpu"), low_memory=False)
+    assert estimate["seconds"]["placement pass"] == 0
+    assert estimate["layer_types"] == ["linear_attention", "full_attention", "linear_attention", "linear_attention"]

@@ -2,7 +2,9 @@
 matters, and the plan a conversion keeps."""
 
 import json
+import re
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -68,3 +70,52 @@ def test_kl_placement_keeps_the_highest_gain_layer_softmax(tmp_path, tiny_llama_
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["kl_gains"] == report.kl_gains
     assert f"measured: [{', '.join(str(i) for i in range(4) if i != best)}]" in saved["recipe_yaml"]
+
+
+def test_scores_from_an_earlier_export_plan_another_ratio_without_measuring(tmp_path, tiny_llama_dir, linearize_main, monkeypatch):
+    """One kl pass serves every ratio: --scores-from takes an export's gains, and only matching runs may."""
+    import yaml
+
+    from linearize.convert import pipeline
+
+    monkeypatch.chdir(tmp_path)
+    common = [
+        "--model", tiny_llama_dir, "--placement", "kl", "--window", "16", "--sink", "2", "--transfer-tokens", "256",
+        "--finetune-tokens", "0", "--seq-len", "64", "--heldout-tokens", "256", "--no-measure", "--max-new-tokens", "0", "--quiet",
+    ]  # fmt: skip
+    code, _, err = linearize_main(*common, "--ratio", "3:1", "--output", "kl3")
+    assert code == 0, err
+    first = json.loads((tmp_path / "kl3" / "report.json").read_text())
+    gains = [first["kl_gains"][str(i)] for i in range(4)]
+
+    def measuring(*args, **kwargs):
+        raise AssertionError("the ranking was measured again")
+
+    monkeypatch.setattr(pipeline, "measure_kl_gains", measuring)
+    code, _, err = linearize_main(*common, "--ratio", "1:1", "--scores-from", "kl3", "--output", "kl1")
+    assert code == 0, err
+    second = json.loads((tmp_path / "kl1" / "report.json").read_text())
+    top_two = sorted(sorted(range(4), key=lambda i: gains[i], reverse=True)[:2])
+    assert [i for i, t in enumerate(second["layer_types"]) if t != LINEAR] == top_two
+    assert second["kl_gains"] == first["kl_gains"]
+    assert yaml.safe_load(second["recipe_yaml"])["layers"]["scores"] == gains
+
+    refusals = {
+        "another placement": (["--placement", "spread"], "this run's placement is 'spread': add --placement measured or kl or retrieval"),
+        "other settings": (["--window", "32"], "it ranked its layers with other attention settings (window): convert with its settings"),
+        "no report": (["--scores-from", "nowhere"], "--scores-from nowhere: no report.json there: pass a folder that `linearize` converted"),
+    }
+    for name, (extra, message) in refusals.items():
+        args = [*common, "--ratio", "1:1", "--scores-from", "kl3", "--output", f"bad-{name}", *extra]
+        code, _, err = linearize_main(*args)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (name, err)
+        assert not (tmp_path / f"bad-{name}").exists()
+
+
+def test_scores_for_another_depth_are_refused_before_the_teacher_loads(tiny_llama_dir):
+    from linearize.convert.pipeline import apply_overrides, check_inputs
+
+    recipe = apply_overrides(load_recipe("smollm2-gla"), {"layers.placement": "kl", "layers.measured": [], "layers.scores": [0.3, 0.1, 0.2]})
+    message = "recipe key 'layers.scores' holds 3 scores but the model has 4 layers: take them from an export of this model (--scores-from DIR)"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        check_inputs(str(tiny_llama_dir), recipe, None, False, torch.device("cpu"))

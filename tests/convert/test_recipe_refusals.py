@@ -65,6 +65,19 @@ def test_bad_perplexity_contexts_are_refused(contexts, message):
         parse_recipe({"eval": {"contexts": contexts}})
 
 
+@pytest.mark.parametrize(
+    "layers, message",
+    [
+        ({"placement": "spread", "scores": [1.0, 0.5]}, "recipe key 'layers.scores' ranks the layers of a scored placement (measured, kl, retrieval), not 'spread'"),
+        ({"placement": "kl", "scores": [1.0, float("nan")]}, "recipe key 'layers.scores' must hold finite numbers, got [1.0, nan]"),
+        ({"placement": "kl", "scores": "1,2"}, "recipe key 'layers.scores' must be a list, got '1,2'"),
+    ],
+)
+def test_bad_layer_scores_are_refused(layers, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        parse_recipe({"layers": layers})
+
+
 def test_perplexity_contexts_are_kept():
     assert parse_recipe({"eval": {"contexts": [4096, 512]}}).eval.contexts == [4096, 512]
 
