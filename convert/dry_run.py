@@ -216,7 +216,11 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     seconds = {name: value / flops * slowdown(name) for name, value in seconds.items()}
     plan = describe(types)
     if layers.placement in SCORED and not linear:
-        plan += f" ({layers.placement} placement: the softmax layers are chosen when the run scores them; shown spread)"
+        plan += (
+            f" ({layers.placement} placement by the given scores)"
+            if layers.scores is not None
+            else f" ({layers.placement} placement: the softmax layers are chosen when the run scores them; shown spread)"
+        )
     where = "RSS" if cpu else "allocated"
     mode = (", --low-memory" if low_memory else ", glibc's default heap") if cpu else ""
     rows = [

@@ -25,7 +25,7 @@ import torch
 from accelerate import Accelerator
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..modeling.configuration_linearize import LINEAR
+from ..modeling.configuration_linearize import LINEAR, LINEAR_ATTENTION_DEFAULTS
 from ..modeling.modeling_linearize import LinearizeForCausalLM
 from . import data as data_lib
 from .budget import body_parameter_count, parameter_count, peak_rss_bytes, weight_bytes
@@ -176,6 +176,7 @@ def scores_from(folder: str | Path, recipe: Recipe) -> list[float]:
     if source != spec:
         raise ValueError(f"--scores-from {folder}: it was converted from {source}, not {spec}: pass an export of this model")
     settings = recipe.linear_attention()
+    attention = {**LINEAR_ATTENTION_DEFAULTS, **attention}  # a setting newer than the export: it ran the default
     differ = sorted(k for k in {*settings, *attention} if settings.get(k) != attention.get(k))
     if differ:
         raise ValueError(

@@ -178,3 +178,4 @@ def test_ranked_placements_estimate_their_placement_pass(tmp_path, offline):
     estimate = dry_run.dry_run(recipe, torch.device("cpu"), low_memory=False)
     assert estimate["seconds"]["placement pass"] == 0
     assert estimate["layer_types"] == ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+    assert dict(estimate["rows"])["layer plan (L linear, S softmax, W sliding window)"] == "LSLL (kl placement by the given scores)"

@@ -92,6 +92,8 @@ def test_scores_from_an_earlier_export_plan_another_ratio_without_measuring(tmp_
         raise AssertionError("the ranking was measured again")
 
     monkeypatch.setattr(pipeline, "measure_kl_gains", measuring)
+    del first["attention"]["window_logit"]  # an export from before a setting existed ran its default
+    (tmp_path / "kl3" / "report.json").write_text(json.dumps(first))
     code, _, err = linearize_main(*common, "--ratio", "1:1", "--scores-from", "kl3", "--output", "kl1")
     assert code == 0, err
     second = json.loads((tmp_path / "kl1" / "report.json").read_text())
