@@ -143,7 +143,7 @@ def run_linearize():
     return run
 
 
-# --- hybrid model fixtures (tests/modeling/test_modeling.py, test_export.py, test_performer.py) ---
+# --- hybrid model fixtures (tests/modeling/test_modeling.py and its neighbours, test_export.py, test_performer.py) ---
 
 
 @pytest.fixture
