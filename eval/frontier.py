@@ -184,15 +184,15 @@ def plot(rows: list[dict[str, Any]], settings: dict[str, Any], path: Path) -> Pa
             speed = r["decode_compiled"] or r["decode_eager"]
             ratios = [r["ppl_ratio"].get(t, {}).get(longest) for t in settings["texts"]]
             if r["placement"] == placement and speed and all(ratios):
-                points.append((speed, sum(ratios) / len(ratios), r["summary"]))
+                points.append((len(r["softmax_layers"]), speed, sum(ratios) / len(ratios), r["summary"]))
         if not points:
             continue
-        points.sort()
+        points = [p[1:] for p in sorted(points, reverse=True)]  # along the ratio: fewer softmax layers
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=f"C{i}", label=placement)
         for x, y, label in points:
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.plot([1.0], [1.0], marker="*", color="k", ms=12, ls="none", label="teacher")
-    ax.set_xlabel(f"decode speed over the teacher at {settings['decode_context']:,} tokens, batch 1")
+    ax.set_xlabel(f"decode speed over the teacher at {settings['decode_context']:,} tokens, batch 1\n(compiled where measured, else eager)")
     ax.set_ylabel(f"perplexity over the teacher at {int(longest):,} tokens")
     ax.set_title("ratio frontier (linear:softmax layers)")
     ax.grid(alpha=0.3)
