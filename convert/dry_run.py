@@ -101,9 +101,8 @@ def dry_run(recipe, device: torch.device, low_memory: bool | None = None) -> dic
     n_layers = base.num_hidden_layers
     layers = recipe.layers
     linear = layers.linear_layers or (layers.measured if layers.placement in SCORED else None)
-    placement = "spread" if layers.placement in SCORED and layers.scores is None else layers.placement
     types = plan_layers(
-        n_layers, layers.ratio, placement, linear, layers.keep_softmax, layers.scores, *sliding_plan(config, layers)
+        n_layers, layers.ratio, layers.placement_before_scoring, linear, layers.keep_softmax, layers.scores, *sliding_plan(config, layers)
     )
     with torch.device("meta"):
         teacher = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -368,8 +368,7 @@ def check_inputs(
             f"recipe key 'layers.scores' holds {len(layers.scores)} scores but the model has {n_layers} layers: "
             "take them from an export of this model (--scores-from DIR)"
         )
-    placement = "spread" if layers.placement in SCORED and layers.scores is None else layers.placement  # scores come later
-    plan_layers(n_layers, layers.ratio, placement, layers.linear_layers, layers.keep_softmax, layers.scores, *sliding_plan(config, layers))
+    plan_layers(n_layers, layers.ratio, layers.placement_before_scoring, layers.linear_layers, layers.keep_softmax, layers.scores, *sliding_plan(config, layers))
     if output is not None:
         check_space(output, loaded_weight_bytes(teacher, config, recipe, device))  # the student keeps these and adds a few
 

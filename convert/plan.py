@@ -49,6 +49,12 @@ class LayerPlan:
     # measurement serves every ratio (`--scores-from` copies an earlier export's).
     scores: list[float] | None = None
 
+    @property
+    def placement_before_scoring(self) -> str:
+        """The placement a plan can be drawn with before the run scores the layers: a scored placement
+        without given scores is drawn spread (the real plan comes when the run has scored them)."""
+        return "spread" if self.placement in SCORED and self.scores is None else self.placement
+
 
 def parse_ratio(text: str) -> tuple[int, int]:
     """'3:1' -> (3, 1); anything else is a one-line error with examples."""
